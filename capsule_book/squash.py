@@ -3,11 +3,11 @@
 # %% auto #0
 __all__ = ['squash', 'Squash', 'plot_squash']
 
-# %% ../nbs/01_squash.ipynb #08bd02d1
+# %% ../nbs/01_squash.ipynb #bafec4e8
 import torch
 from torch import Tensor, nn
 
-# %% ../nbs/01_squash.ipynb #9aa1824a
+# %% ../nbs/01_squash.ipynb #5a8bc95f
 def squash(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
     "Eq. (1): shrink each vector along `dim` to length ‖s‖²/(1+‖s‖²), keeping its direction; same shape as `s`."
     if not isinstance(s, Tensor):
@@ -15,7 +15,7 @@ def squash(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
     n = (s * s).sum(dim=dim, keepdim=True)           # ‖s_j‖², the vector axis kept with size 1
     return s * (n / ((1 + n) * torch.sqrt(n + eps)))  # v_j = n/(1+n) · s_j/√(n+ε)
 
-# %% ../nbs/01_squash.ipynb #87442333
+# %% ../nbs/01_squash.ipynb #06e8fd7c
 class Squash(nn.Module):
     "Eq. (1) as a layer: `Squash(dim)(s)` equals `squash(s, dim)`."
     def __init__(self, dim: int = -1, eps: float = 1e-8):
@@ -28,7 +28,7 @@ class Squash(nn.Module):
     def extra_repr(self) -> str:
         return f"dim={self.dim}, eps={self.eps}"
 
-# %% ../nbs/01_squash.ipynb #7150c977
+# %% ../nbs/01_squash.ipynb #a914d442
 def plot_squash(max_norm: float = 5.0, n_points: int = 500):
     "Plot ‖v‖ = ‖s‖²/(1+‖s‖²) against ‖s‖ on [0, max_norm], computed by `squash`; returns the matplotlib Figure."
     import matplotlib.pyplot as plt

@@ -1,0 +1,259 @@
+"""The Set Transformer of Lee et al. 2019 (chapter 5), checked on the installed package."""
+import functools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from capsule_book.set_transformer import (ISAB, MAB, PMA, SAB, Multihead, SetTransformer, attention, evaluate_mog,
+                                          mog_benchmark, mog_log_prob, mog_nll, parse_mog, plot_mog_fits, sample_mog)
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _seeded(seed, module):
+    torch.manual_seed(seed)
+    return module().double().eval()
+
+
+@functools.lru_cache(maxsize=None)
+def _blocks(seed):
+    "One of each block, in float64, with random weights."
+    return dict(sab=_seeded(seed, lambda: SAB(3, 16, 4)),
+                isab=_seeded(seed, lambda: ISAB(3, 16, 4, n_inducing=5)),
+                pma=_seeded(seed, lambda: PMA(3 * 4, 4, n_seeds=3)),
+                st_sab=_seeded(seed, lambda: SetTransformer(3, 5, 4, dim=16, n_heads=4)),
+                st_isab=_seeded(seed, lambda: SetTransformer(3, 5, 4, dim=16, n_heads=4, n_inducing=6)))
+
+
+sets = st.tuples(st.integers(1, 3), st.integers(1, 12), st.integers(0, 10_000))
+
+
+def _perm_and_set(data, B, n, seed, width):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(B, n, width, generator=g, dtype=torch.float64) * 2
+    perm = torch.tensor(data.draw(st.permutations(range(n))))
+    return X, perm
+
+
+@settings(max_examples=25, deadline=None)
+@given(sets, st.data())
+def test_sab_isab_are_permutation_equivariant(shape, data):
+    B, n, seed = shape
+    X, perm = _perm_and_set(data, B, n, seed, 3)
+    for name in ("sab", "isab"):
+        block = _blocks(seed % 7)[name]
+        torch.testing.assert_close(block(X[:, perm]), block(X)[:, perm], **TOL)
+
+
+@settings(max_examples=25, deadline=None)
+@given(sets, st.data())
+def test_pma_and_set_transformer_are_permutation_invariant(shape, data):
+    B, n, seed = shape
+    blocks = _blocks(seed % 7)
+    Z, perm = _perm_and_set(data, B, n, seed, 12)
+    torch.testing.assert_close(blocks["pma"](Z[:, perm]), blocks["pma"](Z), **TOL)
+    X = Z[..., :3]
+    for name in ("st_sab", "st_isab"):
+        torch.testing.assert_close(blocks[name](X[:, perm]), blocks[name](X), **TOL)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 10), st.integers(0, 10_000), st.floats(-1e4, 1e4, allow_nan=False))
+def test_masked_out_elements_do_not_change_the_output(n, seed, junk):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(2, n, 3, generator=g, dtype=torch.float64)
+    mask = torch.rand(2, n, generator=g) < 0.6
+    mask[:, 0] = True                                    # at least one present element per set
+    X2 = X.clone()
+    X2[~mask] = junk                                     # whatever the absent elements hold
+    X3 = X.clone()
+    X3[~mask] = torch.randn(int((~mask).sum()), 3, generator=g, dtype=torch.float64) * 100
+    for name, block in _blocks(seed % 5).items():
+        Xb = torch.cat([X, X, X, X], -1) if name == "pma" else X
+        X2b = torch.cat([X2, X2, X2, X2], -1) if name == "pma" else X2
+        X3b = torch.cat([X3, X3, X3, X3], -1) if name == "pma" else X3
+        ref = block(Xb, mask)
+        torch.testing.assert_close(block(X2b, mask), ref, **TOL)
+        torch.testing.assert_close(block(X3b, mask), ref, **TOL)
+
+
+@pytest.mark.parametrize("name", ["sab", "isab", "pma", "st_sab", "st_isab"])
+def test_padding_with_absent_elements_changes_nothing(name):
+    block = _blocks(3)[name]
+    width = 12 if name == "pma" else 3
+    X = torch.randn(2, 7, width, dtype=torch.float64)
+    X_pad = torch.cat([X, torch.randn(2, 4, width, dtype=torch.float64) * 50], 1)
+    present = (torch.arange(11) < 7).expand(2, 11)
+    out, out_pad = block(X), block(X_pad, present)
+    if name in ("sab", "isab"):                          # equivariant: compare the present rows; absent rows are 0
+        torch.testing.assert_close(out_pad[:, :7], out, **TOL)
+        assert (out_pad[:, 7:] == 0).all()
+    else:
+        torch.testing.assert_close(out_pad, out, **TOL)
+
+
+def test_sets_of_different_sizes_in_one_batch():
+    "A padded batch of two sets of sizes 5 and 9 gives each set's own output."
+    model = _blocks(1)["st_isab"]
+    A, B = torch.randn(1, 5, 3, dtype=torch.float64), torch.randn(1, 9, 3, dtype=torch.float64)
+    batch = torch.cat([torch.cat([A, torch.zeros(1, 4, 3, dtype=torch.float64)], 1), B])
+    mask = torch.stack([torch.arange(9) < 5, torch.ones(9, dtype=torch.bool)])
+    out = model(batch, mask)
+    torch.testing.assert_close(out[0], model(A)[0], **TOL)
+    torch.testing.assert_close(out[1], model(B)[0], **TOL)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_equals_torch_sdpa_on_the_same_projections(masked):
+    torch.manual_seed(0)
+    mh = Multihead(dim_q=5, dim_kv=7, dim=24, n_heads=3)
+    X, Y = torch.randn(4, 6, 5), torch.randn(4, 9, 7)
+    mask = torch.rand(4, 9) < 0.5 if masked else None
+    if masked:
+        mask[:, 2] = True
+    Qh, Kh, Vh = mh.heads(X, Y, Y)
+    ours = attention(Qh, Kh, Vh, None if mask is None else mask[:, None, :])
+    ref = F.scaled_dot_product_attention(Qh, Kh, Vh, attn_mask=None if mask is None else mask[:, None, None, :])
+    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
+    # and the whole of Eq. (2): concat of the heads, then W^O
+    torch.testing.assert_close(mh(X, Y, Y, mask), mh.W_O(ref.transpose(1, 2).flatten(-2)), atol=1e-6, rtol=1e-5)
+
+
+def test_mab_is_eqs_4_and_5():
+    "MAB(X, Y) = LN(H + rFF(H)), H = LN(X + Multihead(X, Y, Y)), computed by hand from the block's weights."
+    torch.manual_seed(1)
+    mab = MAB(8, 5, 8, n_heads=2).double()
+    X, Y = torch.randn(3, 4, 8, dtype=torch.float64), torch.randn(3, 6, 5, dtype=torch.float64)
+    Qh, Kh, Vh = mab.multihead.heads(X, Y, Y)
+    O = ((Qh @ Kh.transpose(-2, -1)) / math.sqrt(8 / 2)).softmax(-1) @ Vh       # scale √(d/h)
+    H = F.layer_norm(X + mab.multihead.W_O(O.transpose(1, 2).flatten(-2)), (8,),
+                     mab.ln0.weight, mab.ln0.bias)                                # Eq. (5), residual on X itself
+    r = mab.rff
+    expected = F.layer_norm(H + r[2](F.relu(r[0](H))), (8,), mab.ln1.weight, mab.ln1.bias)   # Eq. (4)
+    torch.testing.assert_close(mab(X, Y), expected)
+
+
+def test_ln_false_turns_layernorm_off():
+    torch.manual_seed(2)
+    on, off = MAB(4, 4, 8, 2, ln=True), MAB(4, 4, 8, 2, ln=False)
+    off.load_state_dict({k: v for k, v in on.state_dict().items() if not k.startswith("ln")})
+    X = torch.randn(2, 5, 4) * 3
+    y_on, y_off = on(X, X), off(X, X)
+    torch.testing.assert_close(y_on.mean(-1), torch.zeros(2, 5), atol=1e-5, rtol=0)
+    torch.testing.assert_close(y_on.std(-1, unbiased=False), torch.ones(2, 5), atol=1e-3, rtol=0)
+    assert y_off.mean(-1).abs().max() > 1e-2                       # not normalised
+
+
+def _n_scores(block, n, width=3):
+    block(torch.randn(1, n, width, dtype=torch.float64))
+    return sum(m.n_scores for m in block.modules() if isinstance(m, MAB))
+
+
+def test_isab_cost_is_linear_and_sab_cost_quadratic_in_n():
+    blocks = _blocks(0)
+    m, h = 5, 4
+    for n in (10, 20, 40, 80, 160):
+        assert _n_scores(blocks["isab"], n) == 2 * h * m * n         # Eq. (8) m·n, Eq. (7) n·m, per head
+        assert _n_scores(blocks["sab"], n) == h * n * n
+    counts = [_n_scores(blocks["isab"], n) for n in (100, 200, 400)]
+    assert counts[1] == 2 * counts[0] and counts[2] == 2 * counts[1]
+
+
+def test_lemma1_attention_with_equal_keys_is_the_mean():
+    V = torch.randn(2, 7, 3)
+    out = attention(torch.randn(2, 4, 5), torch.ones(2, 7, 5), V)
+    torch.testing.assert_close(out, V.mean(1, keepdim=True).expand(2, 4, 3))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: MAB(3, 3, 10, n_heads=4), "multiple of n_heads"),
+    (lambda: SAB(3, 30, n_heads=4), "multiple of n_heads"),
+    (lambda: SetTransformer(2, 5, 4, dim=30, n_heads=4), "multiple of n_heads"),
+])
+def test_dim_not_divisible_by_heads_is_refused(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_mismatched_shapes_are_refused_with_the_shapes():
+    mab = MAB(3, 5, 8, 2)
+    with pytest.raises(ValueError, match=r"\[B, n, 3\].*\[2, 4, 4\]"):
+        mab(torch.randn(2, 4, 4), torch.randn(2, 6, 5))
+    with pytest.raises(ValueError, match=r"\[B, n, 5\].*\[2, 6, 3\]"):
+        mab(torch.randn(2, 4, 3), torch.randn(2, 6, 3))
+    with pytest.raises(ValueError, match="same number of sets"):
+        mab(torch.randn(2, 4, 3), torch.randn(3, 6, 5))
+    with pytest.raises(ValueError, match=r"\[2, 6\].*\[2, 5\]"):
+        mab(torch.randn(2, 4, 3), torch.randn(2, 6, 5), torch.ones(2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="bool"):
+        mab(torch.randn(2, 4, 3), torch.randn(2, 6, 5), torch.ones(2, 6))
+    with pytest.raises(ValueError, match=r"set\(s\) \[1\]"):
+        mab(torch.randn(2, 4, 3), torch.randn(2, 6, 5), torch.tensor([[True] * 6, [False] * 6]))
+    model = SetTransformer(2, 5, 4, dim=16)
+    with pytest.raises(ValueError, match=r"\[B, n, 2\].*\[10, 2\]"):
+        model(torch.randn(10, 2))
+
+
+def test_mixture_density_integrates_to_one_and_matches_torch_distributions():
+    g = torch.Generator().manual_seed(3)
+    X, _, (pi, mu, sig) = sample_mog(3, 50, generator=g)
+    sig = sig * torch.rand(3, 4, 2, generator=g).add(0.5)              # unequal scales too
+    grid = torch.linspace(-7, 7, 701)
+    pts = torch.stack(torch.meshgrid(grid, grid, indexing="ij"), -1).reshape(1, -1, 2).expand(3, -1, -1)
+    mass = mog_log_prob(pts, pi, mu, sig).exp().sum(1) * (grid[1] - grid[0]) ** 2
+    torch.testing.assert_close(mass, torch.ones(3), atol=2e-3, rtol=0)
+    D = torch.distributions
+    ref = D.MixtureSameFamily(D.Categorical(pi), D.Independent(D.Normal(mu, sig), 1))
+    torch.testing.assert_close(mog_log_prob(X, pi, mu, sig), ref.log_prob(X.transpose(0, 1)).T, atol=1e-4, rtol=1e-5)
+
+
+def test_sampler_follows_the_generative_process():
+    g = torch.Generator().manual_seed(4)
+    X, labels, (pi, mu, sig) = sample_mog(2000, 200, generator=g)
+    assert ((mu >= -4) & (mu <= 4)).all() and (sig == 0.3).all()
+    torch.testing.assert_close(pi.mean(0), torch.full((4,), 0.25), atol=0.02, rtol=0)   # Dirichlet(1): E π = 1/4
+    torch.testing.assert_close(pi.var(0), torch.full((4,), 3 / 80), atol=0.005, rtol=0)  # Var = (K-1)/(K²(K+1))
+    resid = (X - mu.gather(1, labels.unsqueeze(-1).expand(-1, -1, 2))) / 0.3
+    assert abs(resid.std().item() - 1) < 0.01 and abs(resid.mean().item()) < 0.01
+    freq = F.one_hot(labels, 4).float().mean(1)                                          # label frequencies ≈ π
+    assert (freq - pi).abs().mean() < 0.03
+
+
+def test_oracle_beats_wrong_parameters_and_loss_is_minus_ll():
+    g = torch.Generator().manual_seed(5)
+    X, _, (pi, mu, sig) = sample_mog(4, 300, generator=g)
+    truth = mog_log_prob(X, pi, mu, sig).mean()
+    assert truth > mog_log_prob(X, pi, mu + 0.5, sig).mean()
+    assert truth > mog_log_prob(X, pi, mu, sig * 2).mean()
+    raw = torch.cat([pi.log().unsqueeze(-1), mu, torch.log(torch.expm1(sig))], -1)     # inverse of parse_mog
+    p2, m2, s2 = parse_mog(raw)
+    torch.testing.assert_close(p2, pi); torch.testing.assert_close(m2, mu); torch.testing.assert_close(s2, sig, atol=2e-6, rtol=0)
+    torch.testing.assert_close(mog_nll(raw, X), -truth, atol=1e-4, rtol=0)
+    mask = torch.rand(4, 300, generator=g) < 0.5
+    expected = -mog_log_prob(X, p2, m2, s2)[mask].mean()
+    torch.testing.assert_close(mog_nll(raw, X, mask), expected)
+
+
+def test_far_points_have_finite_loss_and_gradient():
+    raw = torch.zeros(1, 4, 5, requires_grad=True)
+    X = torch.full((1, 3, 2), 50.0)
+    loss = mog_nll(raw, X)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(raw.grad).all()
+
+
+def test_a_few_training_steps_improve_the_held_out_likelihood_and_the_plot():
+    from capsule_book.set_transformer import train_mog
+    sets, oracle = mog_benchmark(n_batches=2, batch=4, n_min=50, n_max=80)
+    torch.manual_seed(0)
+    model = SetTransformer(2, 5, 4, dim=16, n_heads=2, n_inducing=4)
+    before = evaluate_mog(model, sets)
+    train_mog(model, 20, batch=4, n_min=50, n_max=80, progress=False)
+    after = evaluate_mog(model, sets)
+    assert after > before and after < oracle + 0.1
+    fig = plot_mog_fits(model, sets[0][:3], ncols=2)
+    assert len([ax for ax in fig.axes if ax.axison]) == 3
+    assert len(fig.axes[0].patches) == 4 * 2                                  # 4 components × (1σ, 2σ)

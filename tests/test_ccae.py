@@ -1,0 +1,223 @@
+"""The Constellation Capsule Autoencoder of Chapter 8: the accuracy metric, the model's mathematics, training."""
+import math
+
+import pytest
+import torch
+
+from capsule_book.ccae import (CCAE, BatchLinear, geometric_transform, segmentation_accuracy, train_ccae)
+from capsule_book.constellations import make_constellations
+from capsule_book.gmm import gmm_log_likelihood
+
+Y = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2]])
+ALL = torch.ones_like(Y, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("perm", [[0, 1, 2], [2, 0, 1], [1, 2, 0], [2, 1, 0]])
+def test_perfect_segmentation_under_any_relabelling(perm):
+    assert segmentation_accuracy(torch.tensor(perm)[Y], Y, ALL) == 1.0
+
+
+def test_one_mistake_and_absent_points():
+    a = Y.clone()
+    a[0, 4] = 0  # a triangle point given to the first square's capsule
+    assert segmentation_accuracy(a, Y, ALL) == pytest.approx(10 / 11)
+    pres = ALL.clone()
+    pres[0, 4] = False  # the mistaken point is absent: not counted at all
+    assert segmentation_accuracy(a, Y, pres) == 1.0
+
+
+def test_one_capsule_for_everything_gets_largest_object():
+    assert segmentation_accuracy(torch.zeros_like(Y), Y, ALL) == pytest.approx(4 / 11)
+
+
+def test_matching_is_one_to_one_not_majority():
+    # capsule 0 explains both squares: only one square can be matched to it
+    a = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0]])
+    assert segmentation_accuracy(a, Y, ALL) == pytest.approx(7 / 11)
+
+
+def test_matching_is_per_example_and_pooled_over_points():
+    y = torch.cat([Y, Y])
+    a = torch.cat([Y, torch.tensor([[1, 1, 1, 1, 2, 2, 2, 0, 0, 0, 0]])])  # second relabelled: still perfect
+    assert segmentation_accuracy(a, y, torch.ones_like(y, dtype=torch.bool)) == 1.0
+    pres = torch.ones_like(y, dtype=torch.bool)
+    pres[1, :7] = False  # second example: only one object present, its 4 points right
+    a2 = torch.cat([torch.zeros_like(Y), a[1:]])
+    assert segmentation_accuracy(a2, y, pres) == pytest.approx((4 + 4) / (11 + 4))
+
+
+def test_unused_capsule_labels_are_matched():
+    # capsules 0 and 2 only: the official np.unique-sized matrix would miss capsule 2
+    gt = torch.tensor([[0, 0, 0, 0, 1, 1, 1]])
+    pred = torch.tensor([[0, 0, 0, 0, 2, 2, 2]])
+    assert segmentation_accuracy(pred, gt, torch.ones_like(gt, dtype=torch.bool)) == 1.0
+
+
+def test_more_capsules_than_objects():
+    a = torch.tensor([[5, 5, 5, 5, 3, 3, 3, 4, 4, 4, 1]])
+    assert segmentation_accuracy(a, Y, ALL, n_capsules=6) == pytest.approx(10 / 11)
+
+
+def test_no_present_point_is_nan_and_shapes_checked():
+    assert math.isnan(segmentation_accuracy(Y, Y, torch.zeros_like(ALL)))
+    with pytest.raises(ValueError, match=r"\[B, M\]"):
+        segmentation_accuracy(Y[0], Y, ALL)
+
+
+def test_batch_linear_is_one_linear_per_capsule():
+    bl = BatchLinear(4, 6, 3)
+    x = torch.randn(5, 4, 6)
+    for k in range(4):
+        torch.testing.assert_close(bl(x)[:, k], x[:, k] @ bl.weight[k] + bl.bias[k])
+    with pytest.raises(ValueError, match=r"\[B, 4, 6\]"):
+        bl(torch.randn(5, 3, 6))
+
+
+def test_geometric_transform_similarity_and_affine():
+    p = torch.randn(500, 6)
+    T = geometric_transform(p, similarity=True)
+    A = T[:, :2, :2]
+    s2 = torch.linalg.det(A)  # similarity: A = sR, det = s² > 0, AAᵀ = s²I
+    torch.testing.assert_close(A @ A.transpose(1, 2), s2[:, None, None] * torch.eye(2).expand(500, 2, 2),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s2.sqrt(), torch.sigmoid(p[:, 0]) + 1e-2)
+    torch.testing.assert_close(T[:, :2, 2], torch.tanh(5 * p[:, 4:6]))
+    Ta = geometric_transform(p, similarity=False)
+    assert (Ta[:, 2] == torch.tensor([0.0, 0.0, 1.0])).all()
+    # zero shear and equal scales: the affine form reduces to the similarity
+    q = p.clone()
+    q[:, 1], q[:, 3] = q[:, 0], 0.0
+    torch.testing.assert_close(geometric_transform(q, False), geometric_transform(q, True))
+
+
+@pytest.fixture(scope="module")
+def model_and_batch():
+    torch.manual_seed(0)
+    model = CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=32).eval()
+    batch = make_constellations(48, generator=torch.Generator().manual_seed(1))
+    return model, batch
+
+
+def test_log_likelihood_is_the_votes_mixture(model_and_batch):
+    model, b = model_and_batch
+    out = model(b.points, b.presence)
+    B, K, N = 48, 3, 4
+    ref = gmm_log_likelihood(b.points, b.presence, out.votes.reshape(B, K * N, 2), out.scales.reshape(B, K * N),
+                             out.vote_presence.reshape(B, K * N).log())
+    torch.testing.assert_close(out.log_likelihood, ref, atol=1e-4, rtol=1e-5)
+    assert (out.vote_presence <= out.object_presence[..., None] + 1e-6).all()  # a_k a_kn ≤ a_k
+    assert (out.scales[b.presence.any(1)] > 1e-2).all()  # λ = softplus(·) + 0.01 (empty examples: zeros)
+
+
+def test_assignment_is_capsule_of_best_vote(model_and_batch):
+    model, b = model_and_batch
+    out = model(b.points, b.presence)
+    ref = out.posterior.argmax(-1) // 4
+    assert torch.equal(out.assignment[b.presence], ref[b.presence])
+
+
+def test_empty_examples_and_absent_points(model_and_batch):
+    model, b = model_and_batch
+    empty = ~b.presence.any(1)
+    assert empty.any()  # one in eight examples; this batch has some
+    out = model(b.points, b.presence)
+    assert (out.log_likelihood[empty] == 0).all() and (out.assignment[empty] == 0).all()
+    keep = ~empty
+    sub = model(b.points[keep], b.presence[keep])
+    torch.testing.assert_close(out.log_likelihood[keep], sub.log_likelihood)
+    torch.testing.assert_close(out.loss, sub.loss)
+    junk = b.points.clone()
+    junk[~b.presence] = 3.0
+    torch.testing.assert_close(model(junk, b.presence).log_likelihood, out.log_likelihood, atol=1e-5, rtol=1e-5)
+
+
+def test_permutation_invariant(model_and_batch):
+    model, b = model_and_batch
+    perm = torch.randperm(11, generator=torch.Generator().manual_seed(0))
+    out, out_p = model(b.points, b.presence), model(b.points[:, perm], b.presence[:, perm])
+    torch.testing.assert_close(out_p.votes, out.votes, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_p.log_likelihood, out.log_likelihood, atol=1e-4, rtol=1e-5)
+
+
+def test_losses_match_their_definitions(model_and_batch):
+    model, b = model_and_batch
+    keep = b.presence.any(1)
+    out = model(b.points[keep], b.presence[keep])
+    B = int(keep.sum())
+    u = out.vote_presence.max(-1).values
+    torch.testing.assert_close(out.losses["prior_within"], ((u.sum(1) - 1.5) ** 2).mean())
+    torch.testing.assert_close(out.losses["prior_between"], ((u.sum(0) - B / 2) ** 2).mean())
+    torch.testing.assert_close(out.losses["nll"], -out.log_likelihood.mean())
+    w = model.weights
+    total = out.losses["nll"] + sum(w[k] * v for k, v in out.losses.items() if k != "nll")
+    torch.testing.assert_close(out.loss, total)
+
+
+def test_bad_inputs_and_weights_refused():
+    with pytest.raises(ValueError, match="unknown loss weights"):
+        CCAE(dim=16, n_layers=1, weights={"sparsity": 1.0})
+    m = CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=16)
+    with pytest.raises(ValueError, match=r"\[B, M, 2\]"):
+        m(torch.randn(2, 5, 3), torch.ones(2, 5, dtype=torch.bool))
+
+
+def test_training_lowers_the_loss_and_gradients_finite():
+    torch.manual_seed(0)
+    model = CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=32)
+    hist = train_ccae(model, 80, batch_size=16, lr=3e-3, optimizer="adam", log_every=20, progress=False)
+    assert hist[-1]["nll"] < hist[0]["nll"] - 1.0
+    assert all(math.isfinite(r["loss"]) for r in hist)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_checkpoint_resume_is_exact(tmp_path):
+    def fresh():
+        torch.manual_seed(0)
+        return CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=16)
+    a = fresh()
+    train_ccae(a, 6, batch_size=8, lr=1e-3, optimizer="adam", log_every=3, progress=False)
+    b = fresh()
+    ck = tmp_path / "ccae.pt"
+    train_ccae(b, 4, batch_size=8, lr=1e-3, optimizer="adam", log_every=3, progress=False, checkpoint=ck,
+               checkpoint_every=2)
+    c = fresh()
+    torch.manual_seed(123)  # resuming must not depend on the state the caller left
+    hist = train_ccae(c, 6, batch_size=8, lr=1e-3, optimizer="adam", log_every=3, progress=False, checkpoint=ck)
+    for p, q in zip(a.parameters(), c.parameters()):
+        torch.testing.assert_close(p, q)
+    assert [r["step"] for r in hist] == [3, 4, 6]
+
+
+def test_figures_draw_points_and_votes(model_and_batch):
+    import matplotlib
+    matplotlib.use("Agg")
+    from capsule_book.ccae import plot_ccae, plot_ccae_history
+    model, b = model_and_batch
+    i = int(b.presence.any(1).nonzero()[0])
+    sub = type(b)(*(t[i:i + 2] for t in b))
+    out = model(sub.points, sub.presence)
+    fig = plot_ccae(sub, out, n_examples=2)
+    top, bottom = fig.axes[0], fig.axes[2]  # 2 x 2 grid, row-major
+    assert len(top.collections[0].get_offsets()) == int(sub.presence[0].sum())
+    assert len(bottom.collections) == 1 + 3 * 4  # the points, then one marker per vote
+    assert len(bottom.patches) == 3 * 4  # one circle of radius λ per vote
+    hist = [{"step": s, "nll": 1.0 / s, "loss": 1.0, "train_accuracy": 0.5} for s in (1, 2, 3)]
+    fig = plot_ccae_history({"a": hist, "b": hist})
+    assert len(fig.axes[0].lines) == 2
+
+
+def test_command_line_train_resume_eval(tmp_path, capsys):
+    import json
+    from capsule_book import cli
+    from capsule_book.ccae import load_ccae, register_cli
+    register_cli()
+    small = ["--batch-size", "8", "--dim", "16", "--n-layers", "1", "--n-heads", "2", "--out", str(tmp_path),
+             "--no-progress", "--device", "cpu"]
+    assert cli.main(["train", "ccae", "--steps", "2", *small]) == 0
+    assert cli.main(["train", "ccae", "--steps", "4", *small]) == 0
+    model, ck = load_ccae(tmp_path / "last.pt")
+    assert ck["step"] == 4 and model.config["dim"] == 16
+    capsys.readouterr()
+    assert cli.main(["eval", "ccae", "--checkpoint", str(tmp_path / "last.pt"), "--n", "100", "--device", "cpu"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["steps"] == 4 and 0.0 <= res["accuracy"] <= 1.0 and res["n"] == 100

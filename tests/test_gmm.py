@@ -1,0 +1,175 @@
+"""The part capsules' Gaussian mixture of Chapter 7, checked on the installed package."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch.distributions import Categorical, Independent, MixtureSameFamily, Normal
+
+from capsule_book.gmm import gaussian_log_density, gmm_log_likelihood, gmm_posterior
+
+
+def _random(B=3, M=7, C=5, D=2, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, M, D, generator=g, dtype=dtype) * 2
+    presence = torch.rand(B, M, generator=g) > 0.3
+    means = torch.randn(B, C, D, generator=g, dtype=dtype)
+    scales = 0.2 + torch.rand(B, C, generator=g, dtype=dtype) * 2
+    logits = torch.randn(B, C, generator=g, dtype=dtype) * 2
+    return x, presence, means, scales, logits
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 9), st.integers(1, 6), st.integers(1, 3), st.integers(0, 10**6))
+def test_equals_mixture_same_family(B, M, C, D, seed):
+    x, presence, means, scales, logits = _random(B, M, C, D, seed)
+    mix = MixtureSameFamily(Categorical(logits=logits), Independent(Normal(means, scales[..., None].expand(B, C, D)), 1))
+    per_point = mix.log_prob(x.transpose(0, 1)).transpose(0, 1)  # [B, M]
+    expected = (per_point * presence).sum(1)
+    torch.testing.assert_close(gmm_log_likelihood(x, presence, means, scales, logits), expected)
+
+
+def test_equals_eq5_with_presence_logits():
+    g = torch.Generator().manual_seed(3)
+    B, K, N, M = 2, 3, 4, 11
+    a_k = torch.rand(B, K, generator=g, dtype=torch.float64)
+    a_kn = torch.rand(B, K, N, generator=g, dtype=torch.float64)
+    mu = torch.randn(B, K, N, 2, generator=g, dtype=torch.float64)
+    lam = 0.5 + torch.rand(B, K, N, generator=g, dtype=torch.float64)
+    x = torch.randn(B, M, 2, generator=g, dtype=torch.float64)
+    w = a_k[..., None] * a_kn / (a_k[..., None] * a_kn).sum((1, 2), keepdim=True)
+    dens = torch.exp(-((x[:, :, None, None] - mu[:, None]) ** 2).sum(-1) / (2 * lam[:, None] ** 2)) \
+        / (2 * math.pi * lam[:, None] ** 2)
+    eq5 = (w[:, None] * dens).sum((2, 3)).prod(1)
+    ll = gmm_log_likelihood(x, torch.ones(B, M, dtype=torch.bool), mu.flatten(1, 2), lam.flatten(1, 2),
+                            torch.log(a_k[..., None] * a_kn).flatten(1))
+    torch.testing.assert_close(ll, torch.log(eq5))
+
+
+def test_gaussian_log_density_is_eq_7_1():
+    x, _, means, scales, _ = _random(D=3)
+    ref = Independent(Normal(means[:, None], scales[:, None, :, None].expand(-1, 1, -1, 3)), 1).log_prob(x[:, :, None])
+    torch.testing.assert_close(gaussian_log_density(x, means, scales), ref)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_1d_mixture_integrates_to_one(seed):
+    g = torch.Generator().manual_seed(seed)
+    C = 4
+    means = torch.randn(C, generator=g, dtype=torch.float64) * 3
+    scales = 0.05 + torch.rand(C, generator=g, dtype=torch.float64)
+    logits = torch.randn(C, generator=g, dtype=torch.float64)
+    grid = torch.linspace(-25, 25, 100001, dtype=torch.float64)
+    G = len(grid)
+    ll = gmm_log_likelihood(grid[:, None, None], torch.ones(G, 1, dtype=torch.bool),
+                            means.expand(G, C)[..., None], scales.expand(G, C), logits.expand(G, C))
+    assert abs(torch.trapezoid(ll.exp(), grid).item() - 1) < 1e-6
+
+
+def test_2d_mixture_integrates_to_one():
+    means = torch.tensor([[0.0, 0.0], [1.5, -1.0], [-2.0, 0.5]], dtype=torch.float64)
+    scales = torch.tensor([0.3, 0.5, 0.8], dtype=torch.float64)
+    logits = torch.tensor([0.0, 1.0, -1.0], dtype=torch.float64)
+    u = torch.linspace(-8, 8, 801, dtype=torch.float64)
+    X, Y = torch.meshgrid(u, u, indexing="ij")
+    pts = torch.stack([X.flatten(), Y.flatten()], -1)[:, None, :]
+    G = pts.shape[0]
+    ll = gmm_log_likelihood(pts, torch.ones(G, 1, dtype=torch.bool), means.expand(G, 3, 2), scales.expand(G, 3),
+                            logits.expand(G, 3))
+    total = torch.trapezoid(torch.trapezoid(ll.exp().view(801, 801), u), u).item()
+    assert abs(total - 1) < 1e-5
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-2, 1e-4])
+@pytest.mark.parametrize("offset", [0.0, 100.0, 1000.0])
+def test_finite_values_and_gradients_float32(scale, offset):
+    x, presence, means, _, logits = _random(B=4, M=11, C=12, dtype=torch.float32)
+    x = x + offset
+    means = means.clone().requires_grad_()
+    log_scales = torch.full((4, 12), math.log(scale), requires_grad=True)
+    logits = logits.clone().requires_grad_()
+    ll = gmm_log_likelihood(x, presence, means, log_scales.exp(), logits)
+    ll.sum().backward()
+    assert torch.isfinite(ll).all()
+    for t in (means, log_scales, logits):
+        assert torch.isfinite(t.grad).all()
+    exact = gmm_log_likelihood(x.double(), presence, means.double(), log_scales.double().exp(), logits.double())
+    torch.testing.assert_close(ll.double(), exact, rtol=1e-5, atol=1e-3)
+
+
+def test_absent_points_change_nothing():
+    x, presence, means, scales, logits = _random(B=4, M=9)
+    means.requires_grad_()
+    ll = gmm_log_likelihood(x, presence, means, scales, logits)
+    (grad,) = torch.autograd.grad(ll.sum(), means)
+    junk = x.clone()
+    junk[~presence] = torch.tensor([float("nan"), float("inf")], dtype=x.dtype)
+    ll_junk = gmm_log_likelihood(junk, presence, means, scales, logits)
+    (grad_junk,) = torch.autograd.grad(ll_junk.sum(), means)
+    assert torch.equal(ll, ll_junk) and torch.equal(grad, grad_junk)
+    for b in range(4):  # the same as removing the absent points
+        keep = presence[b]
+        ref = gmm_log_likelihood(x[b:b + 1, keep], presence[b:b + 1, keep], means[b:b + 1], scales[b:b + 1],
+                                 logits[b:b + 1])
+        torch.testing.assert_close(ll[b:b + 1], ref)
+    post_junk = gmm_posterior(junk, presence, means, scales, logits)
+    torch.testing.assert_close(post_junk, gmm_posterior(x, presence, means, scales, logits))
+
+
+def test_empty_example_has_zero_log_likelihood():
+    x, _, means, scales, logits = _random(B=2, M=5)
+    presence = torch.zeros(2, 5, dtype=torch.bool)
+    assert torch.equal(gmm_log_likelihood(x, presence, means, scales, logits), torch.zeros(2, dtype=x.dtype))
+    assert (gmm_posterior(x, presence, means, scales, logits) == 0).all()
+
+
+def test_float_presence_accepted():
+    x, presence, means, scales, logits = _random()
+    torch.testing.assert_close(gmm_log_likelihood(x, presence.float(), means, scales, logits),
+                               gmm_log_likelihood(x, presence, means, scales, logits))
+
+
+def test_logits_shift_invariant():
+    x, presence, means, scales, logits = _random()
+    torch.testing.assert_close(gmm_log_likelihood(x, presence, means, scales, logits + 7.0),
+                               gmm_log_likelihood(x, presence, means, scales, logits))
+
+
+def test_posterior_is_bayes_and_rows_sum_to_one():
+    x, presence, means, scales, logits = _random(B=3, M=8, C=6)
+    post = gmm_posterior(x, presence, means, scales, logits)
+    sums = post.sum(-1)
+    torch.testing.assert_close(sums[presence], torch.ones_like(sums[presence]))
+    assert (sums[~presence] == 0).all() and (post >= 0).all()
+    joint = torch.softmax(logits, -1)[:, None] * gaussian_log_density(x, means, scales).exp()
+    bayes = joint / joint.sum(-1, keepdim=True)
+    torch.testing.assert_close(post[presence], bayes[presence])
+
+
+def test_posterior_finite_for_tiny_scales_and_far_points():
+    x, presence, means, _, logits = _random(B=2, M=6, C=4, dtype=torch.float32)
+    post = gmm_posterior(x + 500, presence, means, torch.full((2, 4), 1e-4), logits)
+    assert torch.isfinite(post).all()
+    torch.testing.assert_close(post.sum(-1)[presence], torch.ones(int(presence.sum())))
+
+
+def test_naive_product_underflows_where_log_space_does_not():
+    # Eq. (5) literally: 11 points 6 standard deviations from their vote, float32.
+    x = torch.zeros(1, 11, 2)
+    x[..., 0] = 6.0
+    args = (torch.zeros(1, 1, 2), torch.ones(1, 1), torch.zeros(1, 1))
+    naive = torch.log(gaussian_log_density(x, args[0], args[1]).exp().sum(-1).prod(-1))
+    assert naive.item() == -math.inf
+    ll = gmm_log_likelihood(x, torch.ones(1, 11, dtype=torch.bool), *args)
+    torch.testing.assert_close(ll, torch.tensor([11 * (-math.log(2 * math.pi) - 18.0)]))
+
+
+@pytest.mark.parametrize("bad", ["presence", "means", "scales", "mixing_logits"])
+def test_wrong_shapes_refused(bad):
+    x, presence, means, scales, logits = _random()
+    args = dict(x=x, presence=presence, means=means, scales=scales, mixing_logits=logits)
+    args[bad] = args[bad][..., :-1] if args[bad].dim() > 1 else args[bad]
+    with pytest.raises(ValueError, match=bad):
+        gmm_log_likelihood(**args)
+    with pytest.raises(ValueError, match=bad):
+        gmm_posterior(**args)

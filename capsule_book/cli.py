@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     "Entry point of the `capsule-book` console script."
+    from capsule_book.ccae import register_cli   # chapters that bring their own commands register them here
+    register_cli()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -209,8 +209,7 @@ def test_figures_draw_points_and_votes(model_and_batch):
 def test_command_line_train_resume_eval(tmp_path, capsys):
     import json
     from capsule_book import cli
-    from capsule_book.ccae import load_ccae, register_cli
-    register_cli()
+    from capsule_book.ccae import load_ccae      # cli.main itself must register the ccae commands
     small = ["--batch-size", "8", "--dim", "16", "--n-layers", "1", "--n-heads", "2", "--out", str(tmp_path),
              "--no-progress", "--device", "cpu"]
     assert cli.main(["train", "ccae", "--steps", "2", *small]) == 0

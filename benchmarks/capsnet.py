@@ -7,7 +7,9 @@ training, the un-squared margin loss and `nn.MSELoss` (a mean over pixels) for t
 
 Default mode (minutes on 2 CPU cores): training throughput (forward + backward + Adam step, batch 128, float32) and
 evaluation throughput (forward only, no grad, batch 128) of both models on the same real MNIST batches, timed in
-interleaved rounds so that a busy machine slows both alike; prints the median images/s of each and the ratio.
+interleaved rounds so that a busy machine slows both alike; prints the median images/s of each and the ratio. On a
+CPU, where `CapsNet` computes the PrimaryCaps convolution in Fourier form (Appendix E), it also times `CapsNet` with
+`conv_impl="direct"`, to show what the capsule side alone gains.
 
 `--full` (not for CI; tens of minutes per model on a CPU): trains each model its own way from seed 0 and reports the
 minutes to reach 99.0% test accuracy (tested every `--eval-every` steps on the 10 000 test digits). Ours: the paper's
@@ -130,21 +132,30 @@ def throughput(args, device):
     batches = list(MNISTBatches(images, labels, args.batch_size, shuffle=True, max_shift=2, device=device))
     torch.manual_seed(0)
     ours, seed = CapsNet(3).to(device), SeedCapsNet().to(device)
+    direct = CapsNet(3, conv_impl="direct").to(device)                     # ours with PrimaryCaps by F.conv2d
+    direct.load_state_dict(ours.state_dict())
     o_opt, s_opt = torch.optim.Adam(ours.parameters(), 1e-3), torch.optim.Adam(seed.parameters(), 1e-3)
+    d_opt = torch.optim.Adam(direct.parameters(), 1e-3)
     margin, s_margin, mse = MarginLoss(10), SeedMarginLoss(n_labels=10), nn.MSELoss()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    models = {"ours": ours, "ours, direct conv": direct, "seed": seed}
     train_fns = {"ours": lambda x, y: ours_step(ours, o_opt, None, margin, x, y),
+                 "ours, direct conv": lambda x, y: ours_step(direct, d_opt, None, margin, x, y),
                  "seed": lambda x, y: seed_step(seed, s_opt, s_margin, mse, x, y)}
-    eval_fns = {"ours": lambda x, y: ours.eval()(x).predictions, "seed": lambda x, y: seed.eval()(x)[2]}
+    eval_fns = {"ours": lambda x, y: ours.eval()(x).predictions,
+                "ours, direct conv": lambda x, y: direct.eval()(x).predictions,
+                "seed": lambda x, y: seed.eval()(x)[2]}
+    if args.no_direct or device.type != "cpu":                               # on a GPU "auto" is already direct
+        for d in (models, train_fns, eval_fns): d.pop("ours, direct conv")
     results = {}
     for kind, fns in (("train", train_fns), ("eval", eval_fns)):
         times = {k: [] for k in fns}
         for name, fn in fns.items():                                       # warm-up
-            if kind == "train": (ours if name == "ours" else seed).train()
+            if kind == "train": models[name].train()
             with torch.set_grad_enabled(kind == "train"): fn(*batches[0])
         for r in range(args.rounds):
             for name, fn in (list(fns.items()) if r % 2 == 0 else list(fns.items())[::-1]):
-                if kind == "train": (ours if name == "ours" else seed).train()
+                if kind == "train": models[name].train()
                 sync(); t0 = time.perf_counter()
                 with torch.set_grad_enabled(kind == "train"):
                     for s in range(args.steps): fn(*batches[(r * args.steps + s) % len(batches)])
@@ -153,6 +164,10 @@ def throughput(args, device):
         o, s = results[kind]["ours"], results[kind]["seed"]
         print(f"{kind:5s} images/s (batch {args.batch_size}, {device}, {torch.get_num_threads()} threads, median of "
               f"{args.rounds} rounds x {args.steps} steps): ours {o:8.1f}   seed {s:8.1f}   ratio {o / s:.2f}x", flush=True)
+        if "ours, direct conv" in results[kind]:
+            d = results[kind]["ours, direct conv"]
+            print(f"{'':5s} ours with PrimaryCaps by F.conv2d (no Fourier form): {d:8.1f}   ratio to the seed {d / s:.2f}x",
+                  flush=True)
     return results
 
 
@@ -199,6 +214,7 @@ def main():
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--no-direct", action="store_true", help="skip ours with PrimaryCaps by F.conv2d (CPU only)")
     p.add_argument("--full", action="store_true", help="also time both models to --target test accuracy")
     p.add_argument("--target", type=float, default=0.99)
     p.add_argument("--eval-every", type=int, default=235)

@@ -12,19 +12,38 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .losses import MarginLoss, reconstruction_loss
+from .fourier_conv import fourier_conv2d, kernel_spectrum
 from .routing import Router
 from .squash import squash
 
 # %% ../nbs/04_capsnet.ipynb #e9cbc12b
 class PrimaryCaps(nn.Module):
     "Convolutional capsules: features [B,C,H,W] -> squashed capsules u [B, n_types*H'*W', d] (official layout)."
-    def __init__(self, in_channels: int = 256, n_types: int = 32, d: int = 8, kernel_size: int = 9, stride: int = 2):
+    def __init__(self, in_channels: int = 256, n_types: int = 32, d: int = 8, kernel_size: int = 9, stride: int = 2,
+                 conv_impl: str = "auto"):
         super().__init__()
-        self.n_types, self.d = n_types, d
+        if conv_impl not in ("auto", "direct", "fourier"):
+            raise ValueError(f"conv_impl must be 'auto', 'direct' or 'fourier', got {conv_impl!r}")
+        self.n_types, self.d, self.conv_impl = n_types, d, conv_impl
         self.conv = nn.Conv2d(in_channels, n_types * d, kernel_size, stride=stride)
+        self._spectrum = None                                    # (key, kernel spectrum), kept while no grad is recorded
+
+    def convolve(self, x: Tensor) -> Tensor:
+        "self.conv(x); on the CPU ('auto') through the Fourier form of Appendix E: same weights, same values to round-off."
+        if not (self.conv_impl == "fourier" or (self.conv_impl == "auto" and x.device.type == "cpu")):
+            return self.conv(x)
+        w, spectrum = self.conv.weight, None
+        if torch.is_grad_enabled():
+            self._spectrum = None
+        else:                                                    # evaluation: the kernels' spectrum once per weights
+            key = (w.data_ptr(), w._version, tuple(x.shape[-2:]), x.dtype, x.device)
+            if self._spectrum is None or self._spectrum[0] != key:
+                self._spectrum = (key, kernel_spectrum(w.detach(), *x.shape[-2:]))
+            spectrum = self._spectrum[1]
+        return fourier_conv2d(x, w, self.conv.bias, self.conv.stride, weight_spectrum=spectrum)
 
     def forward(self, x: Tensor) -> Tensor:
-        s = self.conv(x)                                         # [B, 32*8, 6, 6]
+        s = self.convolve(x)                                     # [B, 32*8, 6, 6]
         B, _, H, W = s.shape
         s = s.view(B, self.n_types, self.d, H, W)                # [B, 32, 8, 6, 6]: type t owns maps 8t..8t+7
         s = s.permute(0, 1, 3, 4, 2).reshape(B, -1, self.d)     # [B, 1152, 8], i = 36 t + 6 y + x
@@ -44,11 +63,11 @@ def mask_capsules(caps: Tensor, index: Tensor) -> Tensor:
 
 class CapsNet(nn.Module):
     "Sabour et al. (2017): Conv1 -> PrimaryCaps (1152 x 8-D) -> DigitCaps (10 x 16-D, routing) -> decoder."
-    def __init__(self, routing_iterations: int = 3, n_classes: int = 10):
+    def __init__(self, routing_iterations: int = 3, n_classes: int = 10, conv_impl: str = "auto"):
         super().__init__()
         self.n_classes = n_classes
         self.conv1 = nn.Conv2d(1, 256, kernel_size=9)
-        self.primary_caps = PrimaryCaps(256, 32, 8, kernel_size=9, stride=2)
+        self.primary_caps = PrimaryCaps(256, 32, 8, kernel_size=9, stride=2, conv_impl=conv_impl)
         self.digit_caps = Router(32 * 6 * 6, n_classes, 8, 16, iterations=routing_iterations)
         self.decoder = nn.Sequential(nn.Linear(16 * n_classes, 512), nn.ReLU(inplace=True),
                                      nn.Linear(512, 1024), nn.ReLU(inplace=True),

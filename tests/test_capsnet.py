@@ -20,7 +20,7 @@ def test_primary_capsule_layout_groups_maps_8t_to_8t_plus_7_at_one_position():
     pc = PrimaryCaps()
     x = torch.randn(1, 256, 20, 20)
     with torch.no_grad():
-        s = pc.conv(x)                                   # [1, 256, 6, 6]
+        s = pc.convolve(x)                               # [1, 256, 6, 6], the maps pc(x) squashes
         u = pc(x)
     t, y, xx = 7, 3, 1
     expected = squash(s[0, 8 * t: 8 * t + 8, y, xx])     # one capsule: 8 maps of type t at (y, x)

@@ -63,7 +63,7 @@ def kernel_spectrum(weight: Tensor, H: int, W: int) -> Tensor:
     return torch.mm(Dw, weight.transpose(0, 1).reshape(C * O, kh * kw).t()).view(2, -1, C, O)
 
 class _FourierConv2d(torch.autograd.Function):
-    "Eqs. (E.2)-(E.7): x [B,C,H,W], w [O,C,kh,kw], bias [O] or None -> y [B,O,Ph,Pw]."
+    "Eqs. (E.2)-(E.8): x [B,C,H,W], w [O,C,kh,kw], bias [O] or None -> y [B,O,Ph,Pw]."
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, bias: Optional[Tensor], sh: int, sw: int, Wh: Optional[Tensor]) -> Tensor:
         B, C, H, W = x.shape
@@ -97,7 +97,7 @@ class _FourierConv2d(torch.autograd.Function):
             torch.bmm(G[0], Wr_t, out=gX[0]).baddbmm_(G[1], Wi_t, alpha=-1)
             torch.bmm(G[0], Wi_t, out=gX[1]).baddbmm_(G[1], Wr_t)
             gx = torch.mm(gX.view(F2, B * C).t(), Dx).view(B, C, H, W)
-        if ctx.needs_input_grad[1]:                                           # Eq. (E.7), then D_w^T
+        if ctx.needs_input_grad[1]:                                           # Eq. (E.8), then D_w^T
             gWh = X.new_empty(2, Fn, C, O)
             Xr_t, Xi_t = X[0].transpose(1, 2), X[1].transpose(1, 2)
             torch.bmm(Xr_t, G[0], out=gWh[0]).baddbmm_(Xi_t, G[1])
@@ -110,7 +110,7 @@ class _FourierConv2d(torch.autograd.Function):
 # %% ../nbs/94_fourier_conv.ipynb #7b2e9ec4
 def fourier_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
                    stride: Union[int, tuple[int, int]] = 1, weight_spectrum: Optional[Tensor] = None) -> Tensor:
-    "F.conv2d(x, weight, bias, stride) (no padding, dilation, groups) by Eqs. (E.2)-(E.7): [B,O,Ph,Pw]; `weight_spectrum`: a cached kernel_spectrum."
+    "F.conv2d(x, weight, bias, stride) (no padding, dilation, groups) by Eqs. (E.2)-(E.8): [B,O,Ph,Pw]; `weight_spectrum`: a cached kernel_spectrum."
     sh, sw = (stride, stride) if isinstance(stride, int) else tuple(stride)
     if x.dim() != 4 or weight.dim() != 4:
         raise ValueError(f"fourier_conv2d expects x [B,C,H,W] and weight [O,C,kh,kw], got {list(x.shape)} and {list(weight.shape)}")

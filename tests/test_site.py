@@ -133,3 +133,27 @@ def test_figure_is_shown(site, squash_dom):
 def test_colab_link_opens_the_chapter(squash_dom):
     links = set(re.findall(r'href="(https://colab\.research\.google\.com/[^"]+)"', squash_dom))
     assert links == {COLAB}, f"Colab links on the Squash page: {links}"
+
+
+def _chapters() -> list[str]:
+    "Every page of the table of contents: the root and each `file:` entry of _toc.yml."
+    toc = (ROOT / "_toc.yml").read_text()
+    return re.findall(r"^root:\s*(\S+)", toc, re.M) + re.findall(r"file:\s*(\S+)", toc)
+
+
+def test_every_chapter_typesets_its_math_without_errors(server):
+    "MathJax reports a TeX error (a \\tag inside a split, an unknown macro) as an mjx-merror element, not in the log."
+    pages = _chapters()
+    assert len(pages) >= 14 and "nbs/94_fourier_conv" in pages
+    problems = []
+    for page in pages:
+        dom = _rendered_dom(f"{server}/{page}.html")
+        if "<mjx-merror" in dom or "data-mjx-error" in dom:
+            problems.append(f"{page}: " + "; ".join(set(re.findall(r'data-mjx-error="([^"]*)"', dom))))
+        article = dom[dom.find("<article"):dom.rfind("</article>")]
+        parser = _Text()
+        parser.feed(article)
+        text = "".join(parser.parts)
+        if "$$" in text or "\\frac" in text:
+            problems.append(f"{page}: raw TeX left in the prose")
+    assert not problems, "\n".join(problems)

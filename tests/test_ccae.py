@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from capsule_book.ccae import (CCAE, BatchLinear, geometric_transform, segmentation_accuracy, train_ccae)
+from capsule_book.ccae import (CCAE, BatchLinear, evaluate_ccae, geometric_transform, segmentation_accuracy, train_ccae)
 from capsule_book.constellations import make_constellations
 from capsule_book.gmm import gmm_log_likelihood
 
@@ -220,3 +220,14 @@ def test_command_line_train_resume_eval(tmp_path, capsys):
     assert cli.main(["eval", "ccae", "--checkpoint", str(tmp_path / "last.pt"), "--n", "100", "--device", "cpu"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["steps"] == 4 and 0.0 <= res["accuracy"] <= 1.0 and res["n"] == 100
+
+
+def test_evaluate_reports_the_one_capsule_floor_counted_by_hand():
+    torch.manual_seed(0)
+    model = CCAE(dim=16, n_layers=1, n_heads=2)
+    res = evaluate_ccae(model, n=200, batch_size=2)                  # one chunk of 200 constellations, seed 12345
+    data = make_constellations(200, generator=torch.Generator().manual_seed(12345))
+    largest = [max(((data.pattern_id[b] == k) & data.presence[b].bool()).sum().item() for k in range(3))
+               for b in range(200)]                                  # one capsule can win at most the largest object
+    assert abs(res["one_capsule_baseline"] - sum(largest) / data.presence.sum().item()) < 1e-9
+    assert 0.5 < res["one_capsule_baseline"] < 0.7

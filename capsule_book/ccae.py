@@ -16,12 +16,12 @@ from torch import Tensor, nn
 
 from .constellations import Constellations, make_constellations
 from .gmm import gmm_log_likelihood, gmm_posterior
-from .set_transformer import SetTransformer
+from .set_transformer import SAB, Multihead, SetTransformer, _check_mask, _check_set
 
 # %% auto #0
-__all__ = ['OFFICIAL_WEIGHTS', 'segmentation_accuracy', 'BatchLinear', 'BatchMLP', 'geometric_transform', 'CCAEOutput', 'CCAE',
-           'evaluate_ccae', 'train_ccae', 'load_ccae', 'plot_ccae', 'plot_ccae_history', 'train_ccae_command',
-           'eval_ccae_command', 'register_cli']
+__all__ = ['OFFICIAL_WEIGHTS', 'OFFICIAL_MODEL', 'segmentation_accuracy', 'BatchLinear', 'BatchMLP', 'OfficialCapsuleEncoder',
+           'geometric_transform', 'CCAEOutput', 'CCAE', 'evaluate_ccae', 'train_ccae', 'load_ccae', 'plot_ccae',
+           'plot_ccae_history', 'train_ccae_command', 'eval_ccae_command', 'register_cli']
 
 # %% ../nbs/08_ccae.ipynb #71018316
 def segmentation_accuracy(assignment: Tensor, pattern_id: Tensor, presence: Tensor,
@@ -71,6 +71,32 @@ class BatchMLP(nn.Sequential):
             if not last: layers.append(nn.ReLU())
         super().__init__(*layers)
 
+# %% ../nbs/08_ccae.ipynb #a4b228bb
+class OfficialCapsuleEncoder(nn.Module):
+    "The official h^caps: Linear(2→dim), SABs, Linear(dim→dim_out), K learned queries read the points by one multi-head attention; [B,M,2] → [B,K,dim_out]."
+    def __init__(self, n_outputs: int, dim_out: int, dim: int = 128, n_heads: int = 4, n_layers: int = 4, dim_in: int = 2):
+        super().__init__()
+        if dim % n_heads or dim_out % n_heads:
+            raise ValueError(f"dim and dim_out must be multiples of n_heads, got dim={dim}, dim_out={dim_out}, "
+                             f"n_heads={n_heads}")
+        self.embed = nn.Linear(dim_in, dim)                                           # x W_in
+        self.sabs = nn.ModuleList([SAB(dim, dim, n_heads) for _ in range(n_layers)])
+        self.z = nn.Linear(dim, dim_out)                                              # Z W
+        self.queries = nn.Parameter(torch.empty(1, n_outputs, dim_out))              # Q: [1, K, dim_out]
+        nn.init.xavier_uniform_(self.queries)
+        self.readout = Multihead(dim_out, dim_out, dim_out, n_heads)
+
+    def forward(self, X: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        "X [B, M, dim_in], mask [B, M] True = present → c [B, K, dim_out]."
+        _check_set("X", X, self.embed.in_features)
+        mask = _check_mask(mask, X.shape[0], X.shape[1])
+        h = self.embed(X)                                                             # [B, M, dim]
+        for sab in self.sabs:
+            h = sab(h, mask)                                                          # [B, M, dim]
+        z = self.z(h)                                                                 # [B, M, dim_out]
+        return self.readout(self.queries.expand(X.shape[0], -1, -1), z, z, mask)      # [B, K, dim_out]
+
+
 # %% ../nbs/08_ccae.ipynb #e90bf8ca
 def geometric_transform(params: Tensor, similarity: bool = True) -> Tensor:
     "Six numbers [..., 6] -> a pose matrix [..., 3, 3] (similarity or affine), with the official non-linearities."
@@ -89,6 +115,7 @@ def geometric_transform(params: Tensor, similarity: bool = True) -> Tensor:
 # %% ../nbs/08_ccae.ipynb #d0874880
 OFFICIAL_WEIGHTS = dict(dynamic_l2=10.0, presence=10.0, prior_within=1.0, prior_between=1.0,
                         posterior_within=0.0, posterior_between=0.0)
+OFFICIAL_MODEL = dict(dim=128, n_layers=4, n_heads=4, dim_special=32, encoder="official", background=0.01)
 
 class CCAEOutput(NamedTuple):
     "Everything a CCAE forward pass returns; shapes for a batch [B, M] of points, K capsules with N votes each."
@@ -112,17 +139,26 @@ class CCAE(nn.Module):
     "Constellation Capsule Autoencoder (Kosiorek et al. 2019, Sec. 2.1): points [B,M,2], presence [B,M] -> CCAEOutput."
     def __init__(self, n_objects: int = 3, n_votes: int = 4, dim_special: int = 16, dim: int = 128, n_heads: int = 4,
                  n_layers: int = 4, n_hidden: int = 128, similarity: bool = True, noise_scale: float = 4.0,
-                 n_classes: int = 2, weights: Optional[dict] = None):
+                 n_classes: int = 2, weights: Optional[dict] = None, encoder: str = "set_transformer",
+                 background: Optional[float] = None):
         super().__init__()
         K, N = n_objects, n_votes
         self.config = dict(n_objects=K, n_votes=N, dim_special=dim_special, dim=dim, n_heads=n_heads,
                            n_layers=n_layers, n_hidden=n_hidden, similarity=similarity, noise_scale=noise_scale,
-                           n_classes=n_classes, weights=weights)
+                           n_classes=n_classes, weights=weights, encoder=encoder, background=background)
         self.K, self.N, self.similarity, self.noise_scale, self.n_classes = K, N, similarity, noise_scale, n_classes
         self.weights = {**OFFICIAL_WEIGHTS, **(weights or {})}
         unknown = set(self.weights) - set(OFFICIAL_WEIGHTS)
         if unknown: raise ValueError(f"unknown loss weights {sorted(unknown)}; known: {sorted(OFFICIAL_WEIGHTS)}")
-        self.encoder = SetTransformer(2, dim_special, K, dim=dim, n_heads=n_heads, n_layers=n_layers)  # h^caps
+        if background is not None and not (isinstance(background, (int, float)) and background > 0):
+            raise ValueError(f"background must be a positive density (official 0.01) or None, got {background!r}")
+        self.background = background                  # Eq. (7.4): the official dummy vote, or None
+        if encoder == "set_transformer":              # h^caps, Eq. (1): Chapter 5's Set Transformer
+            self.encoder = SetTransformer(2, dim_special, K, dim=dim, n_heads=n_heads, n_layers=n_layers)
+        elif encoder == "official":                   # the official constellation encoder
+            self.encoder = OfficialCapsuleEncoder(K, dim_special, dim=dim, n_heads=n_heads, n_layers=n_layers)
+        else:
+            raise ValueError(f"encoder must be 'set_transformer' or 'official', got {encoder!r}")
         self.splits = [6 * N, 6, 1, N, N]            # dynamic OP params, OV params, ℓ_k, ℓ_k,n, scale params
         self.h_part = BatchMLP(K, [dim_special, n_hidden, n_hidden, sum(self.splits)], final_bias=False)
         self.bias = nn.Parameter(torch.zeros(K, sum(self.splits[1:])))    # bias of all but the dynamic OP part
@@ -167,8 +203,8 @@ class CCAE(nn.Module):
         lam = F.softplus(scale_params + 0.5) + 1e-2                                   # λ_k,n: [B, K, N]
         log_a = F.logsigmoid(l_k) + F.logsigmoid(l_kn)                                # log a_k a_k,n: [B, K, N]
         gmm = (x, present, mu.reshape(B, K * N, 2), lam.reshape(B, K * N), log_a.reshape(B, K * N))
-        ll = gmm_log_likelihood(*gmm)                                                 # Eq. (5), log: [B]
-        post = gmm_posterior(*gmm)                                                    # p(k,n | x_m): [B, M, K·N]
+        ll = gmm_log_likelihood(*gmm, background=self.background)                     # Eq. (5)/(7.4), log: [B]
+        post = gmm_posterior(*gmm, background=self.background)                        # p(k,n | x_m): [B, M, K·N]
         assignment = post.argmax(-1) // N                                             # [B, M]
 
         a_kn = log_a.exp()                                                            # [B, K, N]
@@ -235,6 +271,12 @@ def train_ccae(model: CCAE, steps: int, batch_size: int = 32, lr: float = 1e-4, 
     chunk_state = g.get_state()                                          # generator state before the current chunk
     if checkpoint is not None and Path(checkpoint).exists():
         ck = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        saved = {"encoder": "set_transformer", "background": None, **ck.get("config", model.config)}
+        differ = sorted(k for k in model.config if saved.get(k) != model.config[k])
+        if differ:
+            raise ValueError(f"{checkpoint} holds a CCAE with " + ", ".join(f"{k}={saved.get(k)!r}" for k in differ)
+                             + "; this model has " + ", ".join(f"{k}={model.config[k]!r}" for k in differ)
+                             + ": build the model with the checkpoint's settings, or train into another folder")
         model.load_state_dict(ck["model"]); opt.load_state_dict(ck["optimizer"])
         step, history, chunk_state = ck["step"], ck["history"], ck["generator"]
         elapsed = ck.get("elapsed_s", 0.0)
@@ -282,7 +324,8 @@ def load_ccae(path: Union[str, os.PathLike], device: Optional[Union[str, torch.d
     path = Path(path)
     if not path.exists(): raise FileNotFoundError(f"no checkpoint at {path}")
     ck = torch.load(path, map_location=device, weights_only=False)
-    model = CCAE(**ck["config"]).to(device)
+    config = {"encoder": "set_transformer", "background": None, **ck["config"]}  # checkpoints from before both options
+    model = CCAE(**config).to(device)
     model.load_state_dict(ck["model"])
     return model.eval(), ck
 
@@ -342,6 +385,11 @@ def _ccae_train_arguments(p) -> None:
     p.add_argument("--dim", type=int, default=128, help="Set Transformer width (official 128)")
     p.add_argument("--n-layers", type=int, default=4, help="Set Transformer blocks (official 4)")
     p.add_argument("--n-heads", type=int, default=4)
+    p.add_argument("--encoder", choices=["official", "set_transformer"], default="official",
+                   help="official: SABs read out by one attention (default); set_transformer: Chapter 5's PMA + SAB")
+    p.add_argument("--dim-special", type=int, default=32, help="capsule feature width (official 32)")
+    p.add_argument("--background", type=float, default=0.01,
+                   help="density and weight of the background component, Eq. (7.4) (official 0.01; 0 = none)")
     p.add_argument("--posterior-sparsity", type=float, default=0.0,
                    help="weight of both posterior sparsity losses (official constellation run: 0)")
     p.add_argument("--out", default="runs/ccae", help="folder for last.pt and history.json (default runs/ccae)")
@@ -357,7 +405,8 @@ def train_ccae_command(args) -> int:
     device = pick_device(args.device)
     seed_everything(args.seed)
     weights = dict(posterior_within=args.posterior_sparsity, posterior_between=args.posterior_sparsity)
-    model = CCAE(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, weights=weights).to(device)
+    model = CCAE(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, dim_special=args.dim_special,
+                 encoder=args.encoder, background=args.background or None, weights=weights).to(device)
     out = Path(args.out)
     history = train_ccae(model, args.steps, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
                          seed=args.seed, checkpoint=out / "last.pt", eval_every=args.eval_every,

@@ -32,20 +32,33 @@ def gaussian_log_density(x: Tensor, means: Tensor, scales: Tensor) -> Tensor:
     lam = scales[:, None, :]                                                  # λ_c, [B, 1, C]
     return -0.5 * D * math.log(2 * math.pi) - D * torch.log(lam) - sq_dist / (2 * lam**2)
 
-def _log_joint(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mixing_logits: Tensor) -> Tensor:
-    "log π_c + log N(x_m | μ_c, λ_c) [B,M,C], with absent points moved to 0 first (their values never matter)."
+def _log_joint(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mixing_logits: Tensor,
+               background: Optional[float] = None) -> Tensor:
+    "log π_c + log p_c(x_m) [B,M,C] (or [B,M,C+1], the background component last), absent points moved to 0 first."
     _check_gmm_shapes(x, presence, means, scales, mixing_logits)
     present = presence.bool()
     x = torch.where(present[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))  # [B, M, D]
-    log_pi = torch.log_softmax(mixing_logits, dim=-1)                          # log π_c, [B, C]
-    return log_pi[:, None, :] + gaussian_log_density(x, means, scales)         # [B, M, C]
+    log_density = gaussian_log_density(x, means, scales)                     # log N(x_m | μ_c, λ_c), [B, M, C]
+    if background is not None:                                               # Eq. (7.4): one more component
+        if not (isinstance(background, (int, float)) and background > 0):
+            raise ValueError(f"background must be a positive number (the official value is 0.01) or None, "
+                             f"got {background!r}")
+        B, M, C = log_density.shape
+        log_b = math.log(background)
+        mixing_logits = torch.cat([mixing_logits, mixing_logits.new_full((B, 1), log_b)], -1)  # [B, C+1]
+        log_density = torch.cat([log_density, log_density.new_full((B, M, 1), log_b)], -1)     # [B, M, C+1]
+    log_pi = torch.log_softmax(mixing_logits, dim=-1)                          # log π_c, [B, C(+1)]
+    return log_pi[:, None, :] + log_density                                    # [B, M, C(+1)]
+
 
 # %% ../nbs/07_gmm.ipynb #3206a2fd
-def gmm_log_likelihood(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mixing_logits: Tensor) -> Tensor:
-    "Eq. (7.2): log p(x_1:M) [B] under the mixture of isotropic Gaussians, summed over present points only."
-    log_joint = _log_joint(x, presence, means, scales, mixing_logits)         # [B, M, C]
+def gmm_log_likelihood(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mixing_logits: Tensor,
+                       background: Optional[float] = None) -> Tensor:
+    "Eq. (7.2) (Eq. 7.4 with a `background` density): log p(x_1:M) [B], summed over present points only."
+    log_joint = _log_joint(x, presence, means, scales, mixing_logits, background)  # [B, M, C(+1)]
     log_p_m = torch.logsumexp(log_joint, dim=-1)                              # log p(x_m), [B, M]
     return torch.where(presence.bool(), log_p_m, torch.zeros_like(log_p_m)).sum(-1)  # Σ over d_m = 1, [B]
+
 
 # %% ../nbs/07_gmm.ipynb #1068898d
 def plot_log_likelihood_stability(lam: float = 1.0, M: int = 11, r_max: float = 12.0, n: int = 300):
@@ -78,8 +91,10 @@ def plot_log_likelihood_stability(lam: float = 1.0, M: int = 11, r_max: float = 
     return fig
 
 # %% ../nbs/07_gmm.ipynb #d86e6a21
-def gmm_posterior(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mixing_logits: Tensor) -> Tensor:
-    "Eq. (7.3): p(c | x_m) [B,M,C], a softmax over the C components for present points, rows of 0 for absent ones."
-    log_joint = _log_joint(x, presence, means, scales, mixing_logits)         # [B, M, C]
-    post = torch.softmax(log_joint, dim=-1)                                   # [B, M, C]
+def gmm_posterior(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mixing_logits: Tensor,
+                  background: Optional[float] = None) -> Tensor:
+    "Eq. (7.3): p(c | x_m) [B,M,C] for present points (rows of 0 for absent ones); the background's share is left out."
+    log_joint = _log_joint(x, presence, means, scales, mixing_logits, background)  # [B, M, C(+1)]
+    post = torch.softmax(log_joint, dim=-1)[..., :means.shape[1]]             # [B, M, C], the votes only
     return torch.where(presence.bool()[..., None], post, torch.zeros_like(post))
+

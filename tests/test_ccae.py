@@ -231,3 +231,59 @@ def test_evaluate_reports_the_one_capsule_floor_counted_by_hand():
                for b in range(200)]                                  # one capsule can win at most the largest object
     assert abs(res["one_capsule_baseline"] - sum(largest) / data.presence.sum().item()) < 1e-9
     assert 0.5 < res["one_capsule_baseline"] < 0.7
+
+
+def test_official_encoder_ignores_order_and_absent_points():
+    from capsule_book.ccae import OfficialCapsuleEncoder
+    torch.manual_seed(0)
+    enc = OfficialCapsuleEncoder(3, 8, dim=16, n_heads=2, n_layers=2)
+    X, mask = torch.randn(5, 11, 2), torch.rand(5, 11) < 0.6
+    mask[:, 0] = True
+    c = enc(X, mask)
+    perm = torch.randperm(11)
+    torch.testing.assert_close(enc(X[:, perm], mask[:, perm]), c, atol=1e-5, rtol=1e-5)
+    junk = X.clone()
+    junk[~mask] = 50.0
+    torch.testing.assert_close(enc(junk, mask), c)
+    assert not torch.allclose(c[:, 0], c[:, 1])                          # the queries read out different capsules
+    with pytest.raises(ValueError, match="multiples of n_heads"):
+        OfficialCapsuleEncoder(3, 10, dim=16, n_heads=4)
+
+
+def test_official_model_uses_the_background_component():
+    from capsule_book.ccae import OFFICIAL_MODEL
+    torch.manual_seed(0)
+    model = CCAE(**{**OFFICIAL_MODEL, "dim": 16, "n_heads": 2, "n_layers": 1}).eval()
+    b = make_constellations(32, generator=torch.Generator().manual_seed(2))
+    out = model(b.points, b.presence)
+    B, K, N = 32, 3, 4
+    args = (b.points, b.presence, out.votes.reshape(B, K * N, 2), out.scales.reshape(B, K * N),
+            out.vote_presence.reshape(B, K * N).log())
+    torch.testing.assert_close(out.log_likelihood, gmm_log_likelihood(*args, background=0.01), atol=1e-4, rtol=1e-5)
+    assert not torch.allclose(out.log_likelihood, gmm_log_likelihood(*args), atol=1e-3)
+    assert torch.equal(out.assignment[b.presence], (out.posterior.argmax(-1) // N)[b.presence])
+    with pytest.raises(ValueError, match="encoder must be"):
+        CCAE(dim=16, n_layers=1, encoder="pma")
+    with pytest.raises(ValueError, match="background must be a positive"):
+        CCAE(dim=16, n_layers=1, background=0.0)
+
+
+def test_load_ccae_reads_checkpoints_from_before_the_options(tmp_path):
+    from capsule_book.ccae import load_ccae
+    torch.manual_seed(0)
+    model = CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=16)
+    legacy = {k: v for k, v in model.config.items() if k not in ("encoder", "background")}
+    torch.save({"model": model.state_dict(), "config": legacy, "step": 7}, tmp_path / "old.pt")
+    loaded, ck = load_ccae(tmp_path / "old.pt")
+    assert loaded.config["encoder"] == "set_transformer" and loaded.background is None and ck["step"] == 7
+    b = make_constellations(8, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(loaded(b.points, b.presence).log_likelihood, model.eval()(b.points, b.presence).log_likelihood)
+
+
+def test_resuming_with_another_model_is_refused_by_name(tmp_path):
+    torch.manual_seed(0)
+    ck = tmp_path / "last.pt"
+    train_ccae(CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=16), 2, batch_size=8, checkpoint=ck, progress=False)
+    other = CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=16, encoder="official", background=0.01)
+    with pytest.raises(ValueError, match=r"encoder='set_transformer'.*encoder='official'"):
+        train_ccae(other, 4, batch_size=8, checkpoint=ck, progress=False)

@@ -173,3 +173,61 @@ def test_wrong_shapes_refused(bad):
         gmm_log_likelihood(**args)
     with pytest.raises(ValueError, match=bad):
         gmm_posterior(**args)
+
+
+def _eq_7_4_by_hand(x, presence, means, scales, logits, b):
+    "Eq. (7.4) in float64, literally: Σ_c a_c/(A+b) N(x|μ_c,λ_c) + b/(A+b)·b per present point, logs summed."
+    a = logits.exp()                                                     # [B, C]
+    A = a.sum(-1)                                                        # [B]
+    D = x.shape[-1]
+    dens = torch.exp(-((x[:, :, None] - means[:, None]) ** 2).sum(-1) / (2 * scales[:, None] ** 2)) \
+        / (2 * math.pi * scales[:, None] ** 2) ** (D / 2)               # [B, M, C]
+    p = (a[:, None] / (A[:, None, None] + b) * dens).sum(-1) + b * b / (A[:, None] + b)
+    return torch.where(presence, p.log(), torch.zeros_like(p)).sum(-1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 9), st.integers(1, 6), st.integers(1, 3), st.integers(0, 10**6),
+       st.sampled_from([0.01, 0.1, 1.0]))
+def test_background_is_eq_7_4(B, M, C, D, seed, b):
+    x, presence, means, scales, logits = _random(B, M, C, D, seed)
+    torch.testing.assert_close(gmm_log_likelihood(x, presence, means, scales, logits, background=b),
+                               _eq_7_4_by_hand(x, presence, means, scales, logits, b))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from([1e-4, 1e-2, 0.3]), st.sampled_from([0.0, 5.0, 1e3]))
+def test_background_bounds_the_cost_of_a_point_eq_7_5(scale, offset):
+    x, presence, means, scales, logits = _random(B=2, M=6, C=12, D=2, seed=5, dtype=torch.float32)
+    presence[:] = True
+    scales = torch.full_like(scales, scale).requires_grad_()
+    ll = gmm_log_likelihood(x + offset, presence, means, scales, torch.sigmoid(logits).log(), background=0.01)
+    bound = 6 * -math.log(0.01 ** 2 / (12 + 0.01))                    # Eq. (7.5) per point, 6 points, presences <= 1
+    assert (-ll <= bound + 1e-3).all()
+    ll.sum().backward()
+    assert torch.isfinite(scales.grad).all()
+    if offset == 1e3:                                                    # nothing covers the points: cost near the cap
+        without = gmm_log_likelihood(x + offset, presence, means, scales.detach(), torch.sigmoid(logits).log())
+        assert (-without > 1e3 * bound).all() and (-ll > bound - 6 * math.log(12.01)).all()
+
+
+def test_background_none_is_eq_7_2_and_bad_values_refused():
+    x, presence, means, scales, logits = _random()
+    assert torch.equal(gmm_log_likelihood(x, presence, means, scales, logits),
+                       gmm_log_likelihood(x, presence, means, scales, logits, background=None))
+    for bad in (0.0, -0.01, "0.01"):
+        with pytest.raises(ValueError, match="background must be a positive"):
+            gmm_log_likelihood(x, presence, means, scales, logits, background=bad)
+
+
+def test_posterior_with_background_leaves_out_its_share():
+    x, presence, means, scales, logits = _random(seed=4)
+    b = 0.01
+    post = gmm_posterior(x, presence, means, scales, logits, background=b)
+    a = logits.exp()
+    dens = torch.exp(-((x[:, :, None] - means[:, None]) ** 2).sum(-1) / (2 * scales[:, None] ** 2)) \
+        / (2 * math.pi * scales[:, None] ** 2)
+    joint = torch.cat([a[:, None] * dens, torch.full_like(dens[..., :1], b * b)], -1)   # common factor 1/(A+b) cancels
+    bayes = (joint / joint.sum(-1, keepdim=True))[..., :-1]
+    torch.testing.assert_close(post[presence], bayes[presence])
+    assert (post[~presence] == 0).all() and (post.sum(-1)[presence] < 1).all()

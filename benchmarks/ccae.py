@@ -26,6 +26,8 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=300_000)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr-decay", type=float, default=1.0,
+                   help="learning rate times this every 10,000 steps, continuously (the official code computes 0.96, uses 1)")
     p.add_argument("--optimizer", choices=["rmsprop", "adam"], default="rmsprop")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--n-layers", type=int, default=4)
@@ -52,7 +54,8 @@ def main(argv=None) -> dict:
     t0 = time.time()
     history = train_ccae(model, args.steps, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
                          seed=args.seed, checkpoint=Path(args.out) / "last.pt", eval_every=args.eval_every,
-                         log_every=max(args.steps // 200, 10), progress=not args.no_progress, device=device)
+                         log_every=max(args.steps // 200, 10), progress=not args.no_progress, device=device,
+                         lr_decay=args.lr_decay)
     wall = time.time() - t0
     res = evaluate_ccae(model, n=args.eval_n, batch_size=args.batch_size)
     report = {"settings": vars(args), "device": str(device), "torch_threads": torch.get_num_threads(),

@@ -254,8 +254,11 @@ def _save(state: dict, path: Union[str, os.PathLike]) -> None:
 def train_ccae(model: CCAE, steps: int, batch_size: int = 32, lr: float = 1e-4, seed: int = 0,
                optimizer: str = "rmsprop", checkpoint: Optional[Union[str, os.PathLike]] = None,
                checkpoint_every: int = 1000, log_every: int = 50, eval_every: int = 0, eval_n: int = 2000,
-               progress: bool = True, device: Optional[Union[str, torch.device]] = None) -> list[dict]:
-    "Train on fresh constellations for `steps` steps in all (resuming from `checkpoint` if it exists); returns the history (time_s counts all sessions)."
+               progress: bool = True, device: Optional[Union[str, torch.device]] = None,
+               lr_decay: float = 1.0, decay_steps: int = 10_000) -> list[dict]:
+    "Train on fresh constellations for `steps` steps in all (resuming from `checkpoint` if it exists), learning rate lr·lr_decay^(step/decay_steps); returns the history (time_s counts all sessions)."
+    if not 0 < lr_decay <= 1 or decay_steps < 1:
+        raise ValueError(f"lr_decay must lie in (0, 1] and decay_steps be >= 1, got {lr_decay} and {decay_steps}")
     import warnings
     with warnings.catch_warnings():                                      # no ipywidgets: a text bar, no warning
         warnings.simplefilter("ignore")
@@ -279,6 +282,9 @@ def train_ccae(model: CCAE, steps: int, batch_size: int = 32, lr: float = 1e-4, 
                              + ": build the model with the checkpoint's settings, or train into another folder")
         model.load_state_dict(ck["model"]); opt.load_state_dict(ck["optimizer"])
         step, history, chunk_state = ck["step"], ck["history"], ck["generator"]
+        if ck.get("lr_schedule", (lr, 1.0, 10_000)) != (lr, lr_decay, decay_steps):
+            raise ValueError(f"{checkpoint} was trained with (lr, lr_decay, decay_steps) = "
+                             f"{ck.get('lr_schedule', (lr, 1.0, 10_000))}; got {(lr, lr_decay, decay_steps)}")
         elapsed = ck.get("elapsed_s", 0.0)
         torch.set_rng_state(ck["torch_rng"])
         g.set_state(chunk_state)
@@ -293,6 +299,8 @@ def train_ccae(model: CCAE, steps: int, batch_size: int = 32, lr: float = 1e-4, 
             data = make_constellations(100 * batch_size, generator=g)
         x = data.points[i * batch_size:(i + 1) * batch_size].to(device)
         p = data.presence[i * batch_size:(i + 1) * batch_size].to(device)
+        for group in opt.param_groups:                                   # the official exponential_decay, stateless
+            group["lr"] = lr * lr_decay ** (step / decay_steps)
         out = model(x, p)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -314,7 +322,7 @@ def train_ccae(model: CCAE, steps: int, batch_size: int = 32, lr: float = 1e-4, 
         if checkpoint is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
             _save({"model": model.state_dict(), "config": model.config, "optimizer": opt.state_dict(),
                    "step": step + 1, "history": history, "batch_size": batch_size,
-                   "elapsed_s": elapsed + time.time() - t0,
+                   "elapsed_s": elapsed + time.time() - t0, "lr_schedule": (lr, lr_decay, decay_steps),
                    "generator": chunk_state, "torch_rng": torch.get_rng_state()}, checkpoint)
     return history
 
@@ -381,6 +389,8 @@ def _ccae_train_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=300_000, help="total optimiser steps (default 300000, the official)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr-decay", type=float, default=1.0,
+                   help="multiply the learning rate by this every 10,000 steps, continuously (official code: computes 0.96, uses 1)")
     p.add_argument("--optimizer", choices=["rmsprop", "adam"], default="rmsprop")
     p.add_argument("--dim", type=int, default=128, help="Set Transformer width (official 128)")
     p.add_argument("--n-layers", type=int, default=4, help="Set Transformer blocks (official 4)")
@@ -410,7 +420,7 @@ def train_ccae_command(args) -> int:
     out = Path(args.out)
     history = train_ccae(model, args.steps, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
                          seed=args.seed, checkpoint=out / "last.pt", eval_every=args.eval_every,
-                         progress=not args.no_progress, device=device)
+                         progress=not args.no_progress, device=device, lr_decay=args.lr_decay)
     (out / "history.json").write_text(json.dumps(history))
     if history: print(json.dumps(history[-1]))
     return 0

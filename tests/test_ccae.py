@@ -287,3 +287,17 @@ def test_resuming_with_another_model_is_refused_by_name(tmp_path):
     other = CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=16, encoder="official", background=0.01)
     with pytest.raises(ValueError, match=r"encoder='set_transformer'.*encoder='official'"):
         train_ccae(other, 4, batch_size=8, checkpoint=ck, progress=False)
+
+
+def test_learning_rate_decays_as_the_official_exponential_decay(tmp_path):
+    torch.manual_seed(0)
+    ck = tmp_path / "last.pt"
+    model = CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=16)
+    train_ccae(model, 6, batch_size=8, lr=1e-3, checkpoint=ck, progress=False, lr_decay=0.5, decay_steps=2)
+    saved = torch.load(ck, weights_only=False)
+    assert saved["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1e-3 * 0.5 ** (5 / 2))   # the 6th step: step 5
+    assert saved["lr_schedule"] == (1e-3, 0.5, 2)
+    with pytest.raises(ValueError, match="lr_decay"):
+        train_ccae(model, 8, batch_size=8, lr=1e-3, checkpoint=ck, progress=False)                # another schedule
+    with pytest.raises(ValueError, match=r"lr_decay must lie in \(0, 1\]"):
+        train_ccae(model, 2, batch_size=8, lr_decay=1.5, progress=False)

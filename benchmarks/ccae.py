@@ -17,40 +17,20 @@ from pathlib import Path
 
 import torch
 
-from capsule_book.ccae import CCAE, OFFICIAL_MODEL, evaluate_ccae, train_ccae
+from capsule_book.ccae import _ccae_train_arguments, ccae_from_args, evaluate_ccae, train_ccae
 from capsule_book.utils import pick_device, seed_everything
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300_000)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--lr-decay", type=float, default=1.0,
-                   help="learning rate times this every 10,000 steps, continuously (the official code computes 0.96, uses 1)")
-    p.add_argument("--optimizer", choices=["rmsprop", "adam"], default="rmsprop")
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--n-layers", type=int, default=4)
-    p.add_argument("--n-heads", type=int, default=4)
-    p.add_argument("--encoder", choices=["official", "set_transformer"], default=OFFICIAL_MODEL["encoder"])
-    p.add_argument("--dim-special", type=int, default=OFFICIAL_MODEL["dim_special"])
-    p.add_argument("--background", type=float, default=OFFICIAL_MODEL["background"],
-                   help="background density and weight, Eq. (7.4) (official 0.01; 0 = none)")
-    p.add_argument("--posterior-sparsity", type=float, default=0.0,
-                   help="weight of both posterior sparsity losses (official constellation run: 0; flag default: 10)")
-    p.add_argument("--eval-n", type=int, default=10_000)
-    p.add_argument("--eval-every", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None)
-    p.add_argument("--out", default="runs/ccae_benchmark")
-    p.add_argument("--no-progress", action="store_true")
+    _ccae_train_arguments(p)                        # the flags of `capsule-book train ccae`, official defaults
+    p.add_argument("--eval-n", type=int, default=10_000, help="fresh constellations for the final accuracy")
+    p.set_defaults(out="runs/ccae_benchmark")
     args = p.parse_args(argv)
 
     device = pick_device(args.device)
     seed_everything(args.seed)
-    weights = dict(posterior_within=args.posterior_sparsity, posterior_between=args.posterior_sparsity)
-    model = CCAE(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, dim_special=args.dim_special,
-                 encoder=args.encoder, background=args.background or None, weights=weights).to(device)
+    model = ccae_from_args(args).to(device)
     t0 = time.time()
     history = train_ccae(model, args.steps, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
                          seed=args.seed, checkpoint=Path(args.out) / "last.pt", eval_every=args.eval_every,

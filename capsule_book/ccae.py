@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .constellations import Constellations, make_constellations
-from .gmm import gmm_log_likelihood, gmm_posterior
+from .gmm import check_background, gmm_log_likelihood, gmm_posterior
 from .set_transformer import SAB, Multihead, SetTransformer, _check_mask, _check_set
 
 # %% auto #0
 __all__ = ['OFFICIAL_WEIGHTS', 'OFFICIAL_MODEL', 'segmentation_accuracy', 'BatchLinear', 'BatchMLP', 'OfficialCapsuleEncoder',
            'geometric_transform', 'CCAEOutput', 'CCAE', 'evaluate_ccae', 'train_ccae', 'load_ccae', 'plot_ccae',
-           'plot_ccae_history', 'train_ccae_command', 'eval_ccae_command', 'register_cli']
+           'plot_ccae_history', 'ccae_from_args', 'train_ccae_command', 'eval_ccae_command', 'register_cli']
 
 # %% ../nbs/08_ccae.ipynb #71018316
 def segmentation_accuracy(assignment: Tensor, pattern_id: Tensor, presence: Tensor,
@@ -117,6 +117,10 @@ OFFICIAL_WEIGHTS = dict(dynamic_l2=10.0, presence=10.0, prior_within=1.0, prior_
                         posterior_within=0.0, posterior_between=0.0)
 OFFICIAL_MODEL = dict(dim=128, n_layers=4, n_heads=4, dim_special=32, encoder="official", background=0.01)
 
+def _saved_config(ck: dict) -> dict:
+    "The CCAE settings in a checkpoint; those from before `encoder` and `background` existed get the old model's."
+    return {"encoder": "set_transformer", "background": None, **ck["config"]}
+
 class CCAEOutput(NamedTuple):
     "Everything a CCAE forward pass returns; shapes for a batch [B, M] of points, K capsules with N votes each."
     log_likelihood: Tensor   # [B], Eq. (5) in log space, present points only
@@ -150,9 +154,7 @@ class CCAE(nn.Module):
         self.weights = {**OFFICIAL_WEIGHTS, **(weights or {})}
         unknown = set(self.weights) - set(OFFICIAL_WEIGHTS)
         if unknown: raise ValueError(f"unknown loss weights {sorted(unknown)}; known: {sorted(OFFICIAL_WEIGHTS)}")
-        if background is not None and not (isinstance(background, (int, float)) and background > 0):
-            raise ValueError(f"background must be a positive density (official 0.01) or None, got {background!r}")
-        self.background = background                  # Eq. (7.4): the official dummy vote, or None
+        self.background = check_background(background)   # Eq. (7.4): the official dummy vote, or None
         if encoder == "set_transformer":              # h^caps, Eq. (1): Chapter 5's Set Transformer
             self.encoder = SetTransformer(2, dim_special, K, dim=dim, n_heads=n_heads, n_layers=n_layers)
         elif encoder == "official":                   # the official constellation encoder
@@ -274,7 +276,7 @@ def train_ccae(model: CCAE, steps: int, batch_size: int = 32, lr: float = 1e-4, 
     chunk_state = g.get_state()                                          # generator state before the current chunk
     if checkpoint is not None and Path(checkpoint).exists():
         ck = torch.load(checkpoint, map_location="cpu", weights_only=False)
-        saved = {"encoder": "set_transformer", "background": None, **ck.get("config", model.config)}
+        saved = _saved_config(ck)
         differ = sorted(k for k in model.config if saved.get(k) != model.config[k])
         if differ:
             raise ValueError(f"{checkpoint} holds a CCAE with " + ", ".join(f"{k}={saved.get(k)!r}" for k in differ)
@@ -282,9 +284,10 @@ def train_ccae(model: CCAE, steps: int, batch_size: int = 32, lr: float = 1e-4, 
                              + ": build the model with the checkpoint's settings, or train into another folder")
         model.load_state_dict(ck["model"]); opt.load_state_dict(ck["optimizer"])
         step, history, chunk_state = ck["step"], ck["history"], ck["generator"]
-        if ck.get("lr_schedule", (lr, 1.0, 10_000)) != (lr, lr_decay, decay_steps):
-            raise ValueError(f"{checkpoint} was trained with (lr, lr_decay, decay_steps) = "
-                             f"{ck.get('lr_schedule', (lr, 1.0, 10_000))}; got {(lr, lr_decay, decay_steps)}")
+        schedule = ck.get("lr_schedule", (lr, 1.0, 10_000))             # checkpoints from before lr_decay: constant
+        if tuple(schedule) != (lr, lr_decay, decay_steps):
+            raise ValueError(f"{checkpoint} was trained with (lr, lr_decay, decay_steps) = {tuple(schedule)}; "
+                             f"got {(lr, lr_decay, decay_steps)}")
         elapsed = ck.get("elapsed_s", 0.0)
         torch.set_rng_state(ck["torch_rng"])
         g.set_state(chunk_state)
@@ -332,8 +335,7 @@ def load_ccae(path: Union[str, os.PathLike], device: Optional[Union[str, torch.d
     path = Path(path)
     if not path.exists(): raise FileNotFoundError(f"no checkpoint at {path}")
     ck = torch.load(path, map_location=device, weights_only=False)
-    config = {"encoder": "set_transformer", "background": None, **ck["config"]}  # checkpoints from before both options
-    model = CCAE(**config).to(device)
+    model = CCAE(**_saved_config(ck)).to(device)
     model.load_state_dict(ck["model"])
     return model.eval(), ck
 
@@ -395,10 +397,11 @@ def _ccae_train_arguments(p) -> None:
     p.add_argument("--dim", type=int, default=128, help="Set Transformer width (official 128)")
     p.add_argument("--n-layers", type=int, default=4, help="Set Transformer blocks (official 4)")
     p.add_argument("--n-heads", type=int, default=4)
-    p.add_argument("--encoder", choices=["official", "set_transformer"], default="official",
+    p.add_argument("--encoder", choices=["official", "set_transformer"], default=OFFICIAL_MODEL["encoder"],
                    help="official: SABs read out by one attention (default); set_transformer: Chapter 5's PMA + SAB")
-    p.add_argument("--dim-special", type=int, default=32, help="capsule feature width (official 32)")
-    p.add_argument("--background", type=float, default=0.01,
+    p.add_argument("--dim-special", type=int, default=OFFICIAL_MODEL["dim_special"],
+                   help="capsule feature width (official 32)")
+    p.add_argument("--background", type=float, default=OFFICIAL_MODEL["background"],
                    help="density and weight of the background component, Eq. (7.4) (official 0.01; 0 = none)")
     p.add_argument("--posterior-sparsity", type=float, default=0.0,
                    help="weight of both posterior sparsity losses (official constellation run: 0)")
@@ -408,15 +411,19 @@ def _ccae_train_arguments(p) -> None:
     p.add_argument("--device", default=None, help="cuda, mps or cpu (default: the fastest available)")
     p.add_argument("--no-progress", action="store_true")
 
+def ccae_from_args(args) -> CCAE:
+    "The CCAE that the `train ccae` arguments describe (shared by the command line and benchmarks/ccae.py)."
+    weights = dict(posterior_within=args.posterior_sparsity, posterior_between=args.posterior_sparsity)
+    return CCAE(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, dim_special=args.dim_special,
+                encoder=args.encoder, background=args.background or None, weights=weights)
+
 def train_ccae_command(args) -> int:
     "`capsule-book train ccae`: train (or resume) a CCAE, print the last history row as JSON."
     import json
     from capsule_book.utils import pick_device, seed_everything
     device = pick_device(args.device)
     seed_everything(args.seed)
-    weights = dict(posterior_within=args.posterior_sparsity, posterior_between=args.posterior_sparsity)
-    model = CCAE(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, dim_special=args.dim_special,
-                 encoder=args.encoder, background=args.background or None, weights=weights).to(device)
+    model = ccae_from_args(args).to(device)
     out = Path(args.out)
     history = train_ccae(model, args.steps, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
                          seed=args.seed, checkpoint=out / "last.pt", eval_every=args.eval_every,

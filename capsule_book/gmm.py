@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['gaussian_log_density', 'gmm_log_likelihood', 'plot_log_likelihood_stability', 'gmm_posterior']
+__all__ = ['gaussian_log_density', 'check_background', 'gmm_log_likelihood', 'plot_log_likelihood_stability', 'gmm_posterior']
 
 # %% ../nbs/07_gmm.ipynb #2397e311
 def _check_gmm_shapes(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mixing_logits: Tensor):
@@ -32,6 +32,12 @@ def gaussian_log_density(x: Tensor, means: Tensor, scales: Tensor) -> Tensor:
     lam = scales[:, None, :]                                                  # λ_c, [B, 1, C]
     return -0.5 * D * math.log(2 * math.pi) - D * torch.log(lam) - sq_dist / (2 * lam**2)
 
+def check_background(background: Optional[float]) -> Optional[float]:
+    "The background density of Eq. (7.4): a positive number (official 0.01), or None for none; anything else is refused."
+    if background is not None and not (isinstance(background, (int, float)) and background > 0):
+        raise ValueError(f"background must be a positive number (the official value is 0.01) or None, got {background!r}")
+    return background
+
 def _log_joint(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mixing_logits: Tensor,
                background: Optional[float] = None) -> Tensor:
     "log π_c + log p_c(x_m) [B,M,C] (or [B,M,C+1], the background component last), absent points moved to 0 first."
@@ -39,10 +45,7 @@ def _log_joint(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mixin
     present = presence.bool()
     x = torch.where(present[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))  # [B, M, D]
     log_density = gaussian_log_density(x, means, scales)                     # log N(x_m | μ_c, λ_c), [B, M, C]
-    if background is not None:                                               # Eq. (7.4): one more component
-        if not (isinstance(background, (int, float)) and background > 0):
-            raise ValueError(f"background must be a positive number (the official value is 0.01) or None, "
-                             f"got {background!r}")
+    if check_background(background) is not None:                             # Eq. (7.4): one more component
         B, M, C = log_density.shape
         log_b = math.log(background)
         mixing_logits = torch.cat([mixing_logits, mixing_logits.new_full((B, 1), log_b)], -1)  # [B, C+1]

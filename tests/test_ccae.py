@@ -301,3 +301,13 @@ def test_learning_rate_decays_as_the_official_exponential_decay(tmp_path):
         train_ccae(model, 8, batch_size=8, lr=1e-3, checkpoint=ck, progress=False)                # another schedule
     with pytest.raises(ValueError, match=r"lr_decay must lie in \(0, 1\]"):
         train_ccae(model, 2, batch_size=8, lr_decay=1.5, progress=False)
+
+
+def test_command_line_defaults_build_the_official_model():
+    import argparse
+    from capsule_book.ccae import OFFICIAL_MODEL, _ccae_train_arguments, ccae_from_args
+    p = argparse.ArgumentParser()
+    _ccae_train_arguments(p)
+    config = ccae_from_args(p.parse_args([])).config
+    assert {k: config[k] for k in OFFICIAL_MODEL} == OFFICIAL_MODEL
+    assert ccae_from_args(p.parse_args(["--background", "0"])).background is None

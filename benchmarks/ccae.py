@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from capsule_book.ccae import _ccae_train_arguments, ccae_from_args, evaluate_ccae, train_ccae
+from capsule_book.ccae import ccae_train_arguments, ccae_from_args, evaluate_ccae, train_ccae
 from capsule_book.utils import pick_device, seed_everything
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _ccae_train_arguments(p)                        # the flags of `capsule-book train ccae`, official defaults
+    ccae_train_arguments(p)                        # the flags of `capsule-book train ccae`, official defaults
     p.add_argument("--eval-n", type=int, default=10_000, help="fresh constellations for the final accuracy")
     p.set_defaults(out="runs/ccae_benchmark")
     args = p.parse_args(argv)

@@ -15,13 +15,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .constellations import Constellations, make_constellations
-from .gmm import check_background, gmm_log_likelihood, gmm_posterior
+from .gmm import check_background, gmm_log_joint, gmm_log_likelihood, gmm_log_likelihood_from_joint, gmm_posterior_from_joint
 from .set_transformer import SAB, Multihead, SetTransformer, _check_mask, _check_set
 
 # %% auto #0
 __all__ = ['OFFICIAL_WEIGHTS', 'OFFICIAL_MODEL', 'segmentation_accuracy', 'BatchLinear', 'BatchMLP', 'OfficialCapsuleEncoder',
            'geometric_transform', 'CCAEOutput', 'CCAE', 'evaluate_ccae', 'train_ccae', 'load_ccae', 'plot_ccae',
-           'plot_ccae_history', 'ccae_from_args', 'train_ccae_command', 'eval_ccae_command', 'register_cli']
+           'plot_ccae_history', 'ccae_train_arguments', 'ccae_from_args', 'train_ccae_command', 'eval_ccae_command',
+           'register_cli']
 
 # %% ../nbs/08_ccae.ipynb #71018316
 def segmentation_accuracy(assignment: Tensor, pattern_id: Tensor, presence: Tensor,
@@ -205,8 +206,9 @@ class CCAE(nn.Module):
         lam = F.softplus(scale_params + 0.5) + 1e-2                                   # λ_k,n: [B, K, N]
         log_a = F.logsigmoid(l_k) + F.logsigmoid(l_kn)                                # log a_k a_k,n: [B, K, N]
         gmm = (x, present, mu.reshape(B, K * N, 2), lam.reshape(B, K * N), log_a.reshape(B, K * N))
-        ll = gmm_log_likelihood(*gmm, background=self.background)                     # Eq. (5)/(7.4), log: [B]
-        post = gmm_posterior(*gmm, background=self.background)                        # p(k,n | x_m): [B, M, K·N]
+        log_joint = gmm_log_joint(*gmm, background=self.background)                   # terms of Eq. (7.2): [B, M, K·N(+1)]
+        ll = gmm_log_likelihood_from_joint(log_joint, present)                        # Eq. (5)/(7.4), log: [B]
+        post = gmm_posterior_from_joint(log_joint, present, K * N)                    # p(k,n | x_m): [B, M, K·N]
         assignment = post.argmax(-1) // N                                             # [B, M]
 
         a_kn = log_a.exp()                                                            # [B, K, N]
@@ -387,7 +389,8 @@ def plot_ccae_history(histories: Union[list[dict], dict[str, list[dict]]]):
     return fig
 
 # %% ../nbs/08_ccae.ipynb #67e07723
-def _ccae_train_arguments(p) -> None:
+def ccae_train_arguments(p) -> None:
+    "The flags of `capsule-book train ccae` (official defaults) on an argparse parser `p`; benchmarks/ccae.py takes the same."
     p.add_argument("--steps", type=int, default=300_000, help="total optimiser steps (default 300000, the official)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-4)
@@ -451,5 +454,5 @@ def eval_ccae_command(args) -> int:
 def register_cli() -> None:
     "Add `train ccae` and `eval ccae` to the `capsule-book` command line."
     from capsule_book.cli import register
-    register("train", "ccae", _ccae_train_arguments, help="Constellation Capsule Autoencoder")(train_ccae_command)
+    register("train", "ccae", ccae_train_arguments, help="Constellation Capsule Autoencoder")(train_ccae_command)
     register("eval", "ccae", _ccae_eval_arguments, help="segmentation accuracy of a CCAE checkpoint")(eval_ccae_command)

@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['gaussian_log_density', 'check_background', 'gmm_log_likelihood', 'plot_log_likelihood_stability', 'gmm_posterior']
+__all__ = ['gaussian_log_density', 'gmm_log_joint', 'gmm_log_likelihood', 'gmm_log_likelihood_from_joint',
+           'plot_log_likelihood_stability', 'check_background', 'gmm_posterior', 'gmm_posterior_from_joint']
 
 # %% ../nbs/07_gmm.ipynb #2397e311
 def _check_gmm_shapes(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mixing_logits: Tensor):
@@ -32,20 +33,15 @@ def gaussian_log_density(x: Tensor, means: Tensor, scales: Tensor) -> Tensor:
     lam = scales[:, None, :]                                                  # λ_c, [B, 1, C]
     return -0.5 * D * math.log(2 * math.pi) - D * torch.log(lam) - sq_dist / (2 * lam**2)
 
-def check_background(background: Optional[float]) -> Optional[float]:
-    "The background density of Eq. (7.4): a positive number (official 0.01), or None for none; anything else is refused."
-    if background is not None and not (isinstance(background, (int, float)) and background > 0):
-        raise ValueError(f"background must be a positive number (the official value is 0.01) or None, got {background!r}")
-    return background
-
-def _log_joint(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mixing_logits: Tensor,
-               background: Optional[float] = None) -> Tensor:
-    "log π_c + log p_c(x_m) [B,M,C] (or [B,M,C+1], the background component last), absent points moved to 0 first."
+def gmm_log_joint(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mixing_logits: Tensor,
+                  background: Optional[float] = None) -> Tensor:
+    "The terms of Eq. (7.2), log π_c + log N(x_m | μ_c, λ_c): [B,M,C] ([B,M,C+1] with the background of Eq. 7.4 last); absent points moved to 0 first."
     _check_gmm_shapes(x, presence, means, scales, mixing_logits)
     present = presence.bool()
     x = torch.where(present[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))  # [B, M, D]
     log_density = gaussian_log_density(x, means, scales)                     # log N(x_m | μ_c, λ_c), [B, M, C]
-    if check_background(background) is not None:                             # Eq. (7.4): one more component
+    if background is not None:                                                 # Eq. (7.4), below: one more component
+        check_background(background)
         B, M, C = log_density.shape
         log_b = math.log(background)
         mixing_logits = torch.cat([mixing_logits, mixing_logits.new_full((B, 1), log_b)], -1)  # [B, C+1]
@@ -58,7 +54,10 @@ def _log_joint(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mixin
 def gmm_log_likelihood(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mixing_logits: Tensor,
                        background: Optional[float] = None) -> Tensor:
     "Eq. (7.2) (Eq. 7.4 with a `background` density): log p(x_1:M) [B], summed over present points only."
-    log_joint = _log_joint(x, presence, means, scales, mixing_logits, background)  # [B, M, C(+1)]
+    return gmm_log_likelihood_from_joint(gmm_log_joint(x, presence, means, scales, mixing_logits, background), presence)
+
+def gmm_log_likelihood_from_joint(log_joint: Tensor, presence: Tensor) -> Tensor:
+    "Eq. (7.2) from its terms (`gmm_log_joint`, [B,M,C]): log-sum-exp over components, summed over present points: [B]."
     log_p_m = torch.logsumexp(log_joint, dim=-1)                              # log p(x_m), [B, M]
     return torch.where(presence.bool(), log_p_m, torch.zeros_like(log_p_m)).sum(-1)  # Σ over d_m = 1, [B]
 
@@ -93,11 +92,22 @@ def plot_log_likelihood_stability(lam: float = 1.0, M: int = 11, r_max: float = 
     fig.tight_layout()
     return fig
 
+# %% ../nbs/07_gmm.ipynb #4afa4e2e
+def check_background(background: Optional[float]) -> Optional[float]:
+    "The background density of Eq. (7.4): a positive number (official 0.01), or None for none; anything else is refused."
+    if background is not None and not (isinstance(background, (int, float)) and background > 0):
+        raise ValueError(f"background must be a positive number (the official value is 0.01) or None, got {background!r}")
+    return background
+
 # %% ../nbs/07_gmm.ipynb #d86e6a21
 def gmm_posterior(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mixing_logits: Tensor,
                   background: Optional[float] = None) -> Tensor:
     "Eq. (7.3): p(c | x_m) [B,M,C] for present points (rows of 0 for absent ones); the background's share is left out."
-    log_joint = _log_joint(x, presence, means, scales, mixing_logits, background)  # [B, M, C(+1)]
-    post = torch.softmax(log_joint, dim=-1)[..., :means.shape[1]]             # [B, M, C], the votes only
+    log_joint = gmm_log_joint(x, presence, means, scales, mixing_logits, background)  # [B, M, C(+1)]
+    return gmm_posterior_from_joint(log_joint, presence, n_votes=means.shape[1])
+
+def gmm_posterior_from_joint(log_joint: Tensor, presence: Tensor, n_votes: int) -> Tensor:
+    "Eq. (7.3) from the terms of Eq. (7.2) ([B,M,C] or [B,M,C+1]): the first `n_votes` columns of their softmax, rows of 0 for absent points."
+    post = torch.softmax(log_joint, dim=-1)[..., :n_votes]                   # [B, M, C], the votes only
     return torch.where(presence.bool()[..., None], post, torch.zeros_like(post))
 

@@ -6,7 +6,7 @@ import torch
 
 from capsule_book.ccae import (CCAE, BatchLinear, evaluate_ccae, geometric_transform, segmentation_accuracy, train_ccae)
 from capsule_book.constellations import make_constellations
-from capsule_book.gmm import gmm_log_likelihood
+from capsule_book.gmm import gmm_log_likelihood, gmm_posterior
 
 Y = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2]])
 ALL = torch.ones_like(Y, dtype=torch.bool)
@@ -262,6 +262,14 @@ def test_official_model_uses_the_background_component():
     torch.testing.assert_close(out.log_likelihood, gmm_log_likelihood(*args, background=0.01), atol=1e-4, rtol=1e-5)
     assert not torch.allclose(out.log_likelihood, gmm_log_likelihood(*args), atol=1e-3)
     assert torch.equal(out.assignment[b.presence], (out.posterior.argmax(-1) // N)[b.presence])
+    torch.testing.assert_close(out.posterior, gmm_posterior(*args, background=0.01), atol=1e-5, rtol=1e-4)
+    far = b.points + 20.0                                                # points no vote covers: the background's
+    out_far = model(far, b.presence)                                     # share is left out of the posterior
+    args_far = (far, b.presence, out_far.votes.reshape(B, K * N, 2), out_far.scales.reshape(B, K * N),
+                out_far.vote_presence.reshape(B, K * N).log())
+    torch.testing.assert_close(out_far.posterior, gmm_posterior(*args_far, background=0.01), atol=1e-5, rtol=1e-4)
+    assert (out_far.posterior.sum(-1)[b.presence] < 0.5).all()
+    torch.testing.assert_close(gmm_posterior(*args_far).sum(-1)[b.presence], torch.ones(int(b.presence.sum())))
     with pytest.raises(ValueError, match="encoder must be"):
         CCAE(dim=16, n_layers=1, encoder="pma")
     with pytest.raises(ValueError, match="background must be a positive"):
@@ -305,9 +313,9 @@ def test_learning_rate_decays_as_the_official_exponential_decay(tmp_path):
 
 def test_command_line_defaults_build_the_official_model():
     import argparse
-    from capsule_book.ccae import OFFICIAL_MODEL, _ccae_train_arguments, ccae_from_args
+    from capsule_book.ccae import OFFICIAL_MODEL, ccae_train_arguments, ccae_from_args
     p = argparse.ArgumentParser()
-    _ccae_train_arguments(p)
+    ccae_train_arguments(p)
     config = ccae_from_args(p.parse_args([])).config
     assert {k: config[k] for k in OFFICIAL_MODEL} == OFFICIAL_MODEL
     assert ccae_from_args(p.parse_args(["--background", "0"])).background is None

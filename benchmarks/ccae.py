@@ -29,6 +29,10 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
 
     device = pick_device(args.device)
+    # On a CPU a trained model's tiny activations and gradients become subnormal floats, which are slow: flushing
+    # them to zero made a step of the 30k-step official model 12% faster here (31.8 -> 28.5 ms) and changes nothing
+    # above 1e-38. (A fresh model steps in 23 ms.)
+    flush = device.type == "cpu" and torch.set_flush_denormal(True)
     seed_everything(args.seed)
     model = ccae_from_args(args).to(device)
     t0 = time.time()
@@ -38,7 +42,7 @@ def main(argv=None) -> dict:
                          lr_decay=args.lr_decay)
     wall = time.time() - t0
     res = evaluate_ccae(model, n=args.eval_n, batch_size=args.batch_size)
-    report = {"settings": vars(args), "device": str(device), "torch_threads": torch.get_num_threads(),
+    report = {"settings": vars(args), "device": str(device), "torch_threads": torch.get_num_threads(), "flush_denormal": bool(flush),
               "train_time_s_this_call": round(wall, 1),  # time_s in the history counts resumed sessions too
               "train_time_s_total": round(history[-1]["time_s"], 1) if history else None,
               "accuracy": round(res["accuracy"], 4), "log_likelihood": round(res["log_likelihood"], 3),

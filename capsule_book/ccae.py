@@ -120,7 +120,7 @@ OFFICIAL_MODEL = dict(dim=128, n_layers=4, n_heads=4, dim_special=32, encoder="o
 
 def _saved_config(ck: dict) -> dict:
     "The CCAE settings in a checkpoint; those from before `encoder` and `background` existed get the old model's."
-    return {"encoder": "set_transformer", "background": None, **ck["config"]}
+    return {"encoder": "set_transformer", "background": None, "template_init": 0.45, **ck["config"]}
 
 class CCAEOutput(NamedTuple):
     "Everything a CCAE forward pass returns; shapes for a batch [B, M] of points, K capsules with N votes each."
@@ -145,12 +145,13 @@ class CCAE(nn.Module):
     def __init__(self, n_objects: int = 3, n_votes: int = 4, dim_special: int = 16, dim: int = 128, n_heads: int = 4,
                  n_layers: int = 4, n_hidden: int = 128, similarity: bool = True, noise_scale: float = 4.0,
                  n_classes: int = 2, weights: Optional[dict] = None, encoder: str = "set_transformer",
-                 background: Optional[float] = None):
+                 background: Optional[float] = None, template_init: float = 0.45):
         super().__init__()
         K, N = n_objects, n_votes
         self.config = dict(n_objects=K, n_votes=N, dim_special=dim_special, dim=dim, n_heads=n_heads,
                            n_layers=n_layers, n_hidden=n_hidden, similarity=similarity, noise_scale=noise_scale,
-                           n_classes=n_classes, weights=weights, encoder=encoder, background=background)
+                           n_classes=n_classes, weights=weights, encoder=encoder, background=background,
+                           template_init=template_init)
         self.K, self.N, self.similarity, self.noise_scale, self.n_classes = K, N, similarity, noise_scale, n_classes
         self.weights = {**OFFICIAL_WEIGHTS, **(weights or {})}
         unknown = set(self.weights) - set(OFFICIAL_WEIGHTS)
@@ -165,7 +166,9 @@ class CCAE(nn.Module):
         self.splits = [6 * N, 6, 1, N, N]            # dynamic OP params, OV params, ℓ_k, ℓ_k,n, scale params
         self.h_part = BatchMLP(K, [dim_special, n_hidden, n_hidden, sum(self.splits)], final_bias=False)
         self.bias = nn.Parameter(torch.zeros(K, sum(self.splits[1:])))    # bias of all but the dynamic OP part
-        self.op_static = nn.Parameter(torch.empty(K, N, 6).uniform_(-0.45, 0.45))  # learned static OP_k,n params
+        if not template_init > 0: raise ValueError(f"template_init must be positive, got {template_init!r}")
+        # learned static OP_k,n params, uniform in ±template_init (official: TF's Glorot bound for [1, K, N, 6], 0.447)
+        self.op_static = nn.Parameter(torch.empty(K, N, 6).uniform_(-template_init, template_init))
 
     def forward(self, points: Tensor, presence: Tensor) -> CCAEOutput:
         "points [B, M, 2], presence [B, M] (True = present) -> CCAEOutput; empty examples get zeros."
@@ -234,7 +237,7 @@ class CCAE(nn.Module):
 @torch.no_grad()
 def evaluate_ccae(model: CCAE, n: int = 10_000, batch_size: int = 32, seed: int = 12345,
                   device: Optional[Union[str, torch.device]] = None) -> dict:
-    "Segmentation accuracy, its floor (every point in one capsule) and mean log-likelihood on `n` fresh constellations."
+    "Segmentation accuracy (also over the examples with 1, 2, … objects present), its floor (every point in one capsule) and mean log-likelihood on `n` fresh constellations."
     device = device or next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -247,8 +250,14 @@ def evaluate_ccae(model: CCAE, n: int = 10_000, batch_size: int = 32, seed: int 
         lls.append(out.log_likelihood.cpu())
     a, y, p, ll = (torch.cat(t)[:n] for t in (assignments, ids, presences, lls))
     model.train(was_training)
-    return {"accuracy": segmentation_accuracy(a, y, p, n_capsules=model.K), "log_likelihood": ll.mean().item(), "n": n,
-            "one_capsule_baseline": segmentation_accuracy(torch.zeros_like(y), y, p, n_capsules=model.K)}
+    res = {"accuracy": segmentation_accuracy(a, y, p, n_capsules=model.K), "log_likelihood": ll.mean().item(), "n": n,
+           "one_capsule_baseline": segmentation_accuracy(torch.zeros_like(y), y, p, n_capsules=model.K)}
+    n_objects = torch.stack([((y == j) & p.bool()).any(1) for j in range(int(y.max()) + 1)], 1).sum(1)  # [n]
+    for c in range(1, int(n_objects.max()) + 1):                       # where it fails: by objects present
+        sel = n_objects == c
+        res[f"accuracy_{c}_objects"] = (segmentation_accuracy(a[sel], y[sel], p[sel], n_capsules=model.K)
+                                         if sel.any() else float("nan"))
+    return res
 
 def _save(state: dict, path: Union[str, os.PathLike]) -> None:
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
@@ -406,6 +415,8 @@ def ccae_train_arguments(p) -> None:
                    help="capsule feature width (official 32)")
     p.add_argument("--background", type=float, default=OFFICIAL_MODEL["background"],
                    help="density and weight of the background component, Eq. (7.4) (official 0.01; 0 = none)")
+    p.add_argument("--template-init", type=float, default=0.45,
+                   help="half-width of the uniform initialisation of the static part poses (official 0.45)")
     p.add_argument("--posterior-sparsity", type=float, default=0.0,
                    help="weight of both posterior sparsity losses (official constellation run: 0)")
     p.add_argument("--out", default="runs/ccae", help="folder for last.pt and history.json (default runs/ccae)")
@@ -418,7 +429,8 @@ def ccae_from_args(args) -> CCAE:
     "The CCAE that the `train ccae` arguments describe (shared by the command line and benchmarks/ccae.py)."
     weights = dict(posterior_within=args.posterior_sparsity, posterior_between=args.posterior_sparsity)
     return CCAE(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, dim_special=args.dim_special,
-                encoder=args.encoder, background=args.background or None, weights=weights)
+                encoder=args.encoder, background=args.background or None, weights=weights,
+                template_init=args.template_init)
 
 def train_ccae_command(args) -> int:
     "`capsule-book train ccae`: train (or resume) a CCAE, print the last history row as JSON."

@@ -1,4 +1,5 @@
 """The Constellation Capsule Autoencoder of Chapter 8: the accuracy metric, the model's mathematics, training."""
+import itertools
 import math
 
 import pytest
@@ -231,6 +232,20 @@ def test_evaluate_reports_the_one_capsule_floor_counted_by_hand():
                for b in range(200)]                                  # one capsule can win at most the largest object
     assert abs(res["one_capsule_baseline"] - sum(largest) / data.presence.sum().item()) < 1e-9
     assert 0.5 < res["one_capsule_baseline"] < 0.7
+    with torch.no_grad():                                            # the same constellations, split by objects present
+        out = model.eval()(data.points, data.presence)
+    n_obj = [len(set(data.pattern_id[b][data.presence[b].bool()].tolist())) for b in range(200)]
+    for c in (1, 2, 3):
+        sel = [b for b in range(200) if n_obj[b] == c]
+        assert len(sel) > 10
+        correct = total = 0
+        for b in sel:                                                # the best of the 3! capsule maps, by brute force
+            pres = data.presence[b].bool()
+            y, a_ = data.pattern_id[b][pres].tolist(), out.assignment[b][pres].tolist()
+            correct += max(sum(perm[j] == k for j, k in zip(y, a_)) for perm in itertools.permutations(range(3)))
+            total += len(y)
+        assert abs(res[f"accuracy_{c}_objects"] - correct / total) < 1e-9
+    assert res["accuracy_1_objects"] != res["accuracy_3_objects"]
 
 
 def test_official_encoder_ignores_order_and_absent_points():
@@ -280,12 +295,27 @@ def test_load_ccae_reads_checkpoints_from_before_the_options(tmp_path):
     from capsule_book.ccae import load_ccae
     torch.manual_seed(0)
     model = CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=16)
-    legacy = {k: v for k, v in model.config.items() if k not in ("encoder", "background")}
+    legacy = {k: v for k, v in model.config.items() if k not in ("encoder", "background", "template_init")}
     torch.save({"model": model.state_dict(), "config": legacy, "step": 7}, tmp_path / "old.pt")
     loaded, ck = load_ccae(tmp_path / "old.pt")
     assert loaded.config["encoder"] == "set_transformer" and loaded.background is None and ck["step"] == 7
+    assert loaded.config["template_init"] == 0.45
     b = make_constellations(8, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(loaded(b.points, b.presence).log_likelihood, model.eval()(b.points, b.presence).log_likelihood)
+
+
+def test_template_init_sets_the_range_of_the_static_part_poses():
+    torch.manual_seed(0)
+    official = CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=16).op_static.detach()
+    torch.manual_seed(0)
+    narrow = CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=16, template_init=0.1).op_static.detach()
+    assert 0.4 < official.abs().max() <= 0.45 and 0.09 < narrow.abs().max() <= 0.1
+    torch.testing.assert_close(narrow, official * (0.1 / 0.45))           # the same draws, scaled
+    translations = torch.tanh(5 * official[..., 4:])                    # the official init: near tanh's saturation
+    assert (translations.abs() > 0.9).float().mean() > 0.2
+    assert (torch.tanh(5 * narrow[..., 4:]).abs() < 0.47).all()
+    with pytest.raises(ValueError, match="template_init must be positive"):
+        CCAE(dim=16, n_heads=2, n_layers=1, template_init=0.0)
 
 
 def test_resuming_with_another_model_is_refused_by_name(tmp_path):

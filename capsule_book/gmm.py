@@ -56,8 +56,15 @@ def gmm_log_likelihood(x: Tensor, presence: Tensor, means: Tensor, scales: Tenso
     "Eq. (7.2) (Eq. 7.4 with a `background` density): log p(x_1:M) [B], summed over present points only."
     return gmm_log_likelihood_from_joint(gmm_log_joint(x, presence, means, scales, mixing_logits, background), presence)
 
+def _check_joint(log_joint: Tensor, presence: Tensor, n_votes: int = 1) -> None:
+    "Raise a ValueError naming the shapes unless log_joint is [B, M, C] with C >= n_votes and presence is [B, M]."
+    if log_joint.dim() != 3 or log_joint.shape[:2] != presence.shape or log_joint.shape[2] < n_votes:
+        raise ValueError(f"log_joint must be [B, M, C] (C >= {n_votes}) with presence [B, M], got "
+                         f"{tuple(log_joint.shape)} and {tuple(presence.shape)}")
+
 def gmm_log_likelihood_from_joint(log_joint: Tensor, presence: Tensor) -> Tensor:
     "Eq. (7.2) from its terms (`gmm_log_joint`, [B,M,C]): log-sum-exp over components, summed over present points: [B]."
+    _check_joint(log_joint, presence)
     log_p_m = torch.logsumexp(log_joint, dim=-1)                              # log p(x_m), [B, M]
     return torch.where(presence.bool(), log_p_m, torch.zeros_like(log_p_m)).sum(-1)  # Σ over d_m = 1, [B]
 
@@ -108,6 +115,7 @@ def gmm_posterior(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mi
 
 def gmm_posterior_from_joint(log_joint: Tensor, presence: Tensor, n_votes: int) -> Tensor:
     "Eq. (7.3) from the terms of Eq. (7.2) ([B,M,C] or [B,M,C+1]): the first `n_votes` columns of their softmax, rows of 0 for absent points."
+    _check_joint(log_joint, presence, n_votes)
     post = torch.softmax(log_joint, dim=-1)[..., :n_votes]                   # [B, M, C], the votes only
     return torch.where(presence.bool()[..., None], post, torch.zeros_like(post))
 

@@ -231,3 +231,21 @@ def test_posterior_with_background_leaves_out_its_share():
     bayes = (joint / joint.sum(-1, keepdim=True))[..., :-1]
     torch.testing.assert_close(post[presence], bayes[presence])
     assert (post[~presence] == 0).all() and (post.sum(-1)[presence] < 1).all()
+
+
+def test_one_log_joint_gives_both_and_its_shape_is_checked():
+    from capsule_book.gmm import gmm_log_joint, gmm_log_likelihood_from_joint, gmm_posterior_from_joint
+    x, presence, means, scales, logits = _random(seed=5)
+    B, M, C = x.shape[0], x.shape[1], means.shape[1]
+    joint = gmm_log_joint(x, presence, means, scales, logits, background=0.01)
+    assert joint.shape == (B, M, C + 1)                                  # the background's column last
+    torch.testing.assert_close(joint[..., -1], torch.full((B, M), 2 * math.log(0.01), dtype=joint.dtype)
+                               - torch.logsumexp(torch.cat([logits, torch.full((B, 1), math.log(0.01), dtype=logits.dtype)], 1), 1)[:, None])
+    torch.testing.assert_close(gmm_log_likelihood_from_joint(joint, presence),
+                               gmm_log_likelihood(x, presence, means, scales, logits, background=0.01))
+    torch.testing.assert_close(gmm_posterior_from_joint(joint, presence, C),
+                               gmm_posterior(x, presence, means, scales, logits, background=0.01))
+    with pytest.raises(ValueError, match=r"log_joint must be \[B, M, C\].*got \(\d+, \d+, \d+\) and \(\d+, 3\)"):
+        gmm_log_likelihood_from_joint(joint, presence[:, :3])
+    with pytest.raises(ValueError, match=r"C >= 99"):
+        gmm_posterior_from_joint(joint, presence, 99)

@@ -42,7 +42,8 @@ def main(argv=None) -> dict:
                          lr_decay=args.lr_decay)
     wall = time.time() - t0
     res = evaluate_ccae(model, n=args.eval_n, batch_size=args.batch_size)
-    report = {"settings": vars(args), "device": str(device), "torch_threads": torch.get_num_threads(), "flush_denormal": bool(flush),
+    report = {"settings": vars(args), "device": str(device), "torch_threads": torch.get_num_threads(),
+              "flush_denormal": bool(flush),
               "train_time_s_this_call": round(wall, 1),  # time_s in the history counts resumed sessions too
               "train_time_s_total": round(history[-1]["time_s"], 1) if history else None,
               "accuracy": round(res["accuracy"], 4), "log_likelihood": round(res["log_likelihood"], 3),

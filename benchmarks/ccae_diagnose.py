@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from capsule_book.ccae import evaluate_ccae, geometric_transform, load_ccae
+from capsule_book.ccae import geometric_transform, load_ccae, segmentation_report
 from capsule_book.constellations import make_constellations
 
 
@@ -41,26 +41,21 @@ def distinct_positions(points: torch.Tensor, tol: float = 0.05) -> int:
 @torch.no_grad()
 def diagnose(path, n: int = 10_000) -> dict:
     model, ck = load_ccae(path)
-    res = {"checkpoint": str(path), "step": ck["step"], **evaluate_ccae(model, n=n, batch_size=ck.get("batch_size", 32))}
-    K, N = model.K, model.N
-    g = torch.Generator().manual_seed(12345)                                   # the constellations evaluate_ccae used
-    lone, won, dist, lam = collections.Counter(), collections.Counter(), [], []
-    floor = collections.Counter()                                               # (objects, largest object, points)
+    K, N, batch_size = model.K, model.N, ck.get("batch_size", 32)
+    g = torch.Generator().manual_seed(12345)                                   # the constellations of evaluate_ccae
+    lone, won, dist, lam, kept = collections.Counter(), collections.Counter(), [], [], []
     seen = 0
     while seen < n:
-        d = make_constellations(100 * ck.get("batch_size", 32), generator=g)
+        d = make_constellations(100 * batch_size, generator=g)
         d = type(d)(*(t[: n - seen] for t in d))
         seen += len(d.points)
         out = model(d.points, d.presence)
         p = d.presence.bool()
+        kept.append((out.assignment, d.pattern_id, d.presence, out.log_likelihood))
         vote = out.posterior.argmax(-1)                                         # winning vote k·N + n, [B, M]
         B = len(p)
         for b in range(B):
-            objects = set(d.pattern_id[b][p[b]].tolist())
-            if objects:                                                         # one capsule wins the largest object
-                sizes = [int((d.pattern_id[b][p[b]] == j).sum()) for j in objects]
-                floor[(len(objects), "won")] += max(sizes); floor[(len(objects), "all")] += sum(sizes)
-            if len(objects) == 1:
+            if len(set(d.pattern_id[b][p[b]].tolist())) == 1:
                 lone[len(set(out.assignment[b][p[b]].tolist()))] += 1
             for k in range(K):
                 sel = p[b] & (out.assignment[b] == k)
@@ -69,13 +64,14 @@ def diagnose(path, n: int = 10_000) -> dict:
         flat_votes, flat_scales = out.votes.reshape(B, K * N, 2), out.scales.reshape(B, K * N)
         winner = flat_votes.gather(1, vote[..., None].expand(-1, -1, 2))        # [B, M, 2]
         dist.append((d.points - winner).norm(dim=-1)[p]); lam.append(flat_scales.gather(1, vote)[p])
+    a, y, pres, ll = (torch.cat(t) for t in zip(*kept))
+    res = {"checkpoint": str(path), "step": ck["step"], **segmentation_report(a, y, pres, K),
+           "log_likelihood": ll.mean().item(), "n": n}                          # = evaluate_ccae(model, n)
     dist, lam = torch.cat(dist), torch.cat(lam)
     templates = geometric_transform(model.op_static, model.similarity)[..., :2, 2]   # [K, N, 2], capsule frame
     n_lone = sum(lone.values())
     won_total = sum(won.values())
     res.update({
-        **{f"one_capsule_baseline_{c}_objects": round(floor[(c, "won")] / floor[(c, "all")], 4)
-           for c in sorted({c for c, _ in floor})},
         "lone_object_capsules_used": {c: round(v / n_lone, 4) for c, v in sorted(lone.items())},
         "points_won_per_capsule_mean": round(sum(k[0] * v for k, v in won.items()) / won_total, 3),
         "points_won_per_capsule": {c: round(sum(v for k, v in won.items() if k[0] == c) / won_total, 4)

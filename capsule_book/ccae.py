@@ -19,10 +19,10 @@ from .gmm import check_background, gmm_log_joint, gmm_log_likelihood, gmm_log_li
 from .set_transformer import SAB, Multihead, SetTransformer, _check_mask, _check_set
 
 # %% auto #0
-__all__ = ['OFFICIAL_WEIGHTS', 'OFFICIAL_MODEL', 'segmentation_accuracy', 'BatchLinear', 'BatchMLP', 'OfficialCapsuleEncoder',
-           'geometric_transform', 'CCAEOutput', 'CCAE', 'evaluate_ccae', 'train_ccae', 'load_ccae', 'plot_ccae',
-           'plot_ccae_history', 'ccae_train_arguments', 'ccae_from_args', 'train_ccae_command', 'eval_ccae_command',
-           'register_cli']
+__all__ = ['OFFICIAL_WEIGHTS', 'OFFICIAL_MODEL', 'OFFICIAL_TEMPLATE_INIT', 'segmentation_accuracy', 'segmentation_report',
+           'BatchLinear', 'BatchMLP', 'OfficialCapsuleEncoder', 'geometric_transform', 'CCAEOutput', 'CCAE',
+           'evaluate_ccae', 'train_ccae', 'load_ccae', 'plot_ccae', 'plot_ccae_history', 'ccae_train_arguments',
+           'ccae_from_args', 'train_ccae_command', 'eval_ccae_command', 'register_cli']
 
 # %% ../nbs/08_ccae.ipynb #71018316
 def segmentation_accuracy(assignment: Tensor, pattern_id: Tensor, presence: Tensor,
@@ -46,6 +46,20 @@ def segmentation_accuracy(assignment: Tensor, pattern_id: Tensor, presence: Tens
         correct += int(n[rows, cols].sum())
     total = int(p.sum())
     return correct / total if total else float("nan")
+
+def segmentation_report(assignment: Tensor, pattern_id: Tensor, presence: Tensor, n_capsules: int) -> dict:
+    "`segmentation_accuracy` and its floor (every point in one capsule), over all examples and over those with c objects present (keys `_{c}_objects`)."
+    a, y, p = assignment.cpu(), pattern_id.cpu(), presence.cpu().bool()
+    floor = torch.zeros_like(a)                                        # every point in capsule 0
+    res = {"accuracy": segmentation_accuracy(a, y, p, n_capsules),
+           "one_capsule_baseline": segmentation_accuracy(floor, y, p, n_capsules)}
+    n_objects = torch.stack([((y == j) & p).any(1) for j in range(int(y.max()) + 1)], 1).sum(1)  # [B]
+    for c in range(1, int(n_objects.max()) + 1):
+        sel = n_objects == c
+        for key, assigned in (("accuracy", a), ("one_capsule_baseline", floor)):
+            res[f"{key}_{c}_objects"] = (segmentation_accuracy(assigned[sel], y[sel], p[sel], n_capsules)
+                                         if sel.any() else float("nan"))
+    return res
 
 # %% ../nbs/08_ccae.ipynb #47e908b9
 class BatchLinear(nn.Module):
@@ -117,10 +131,11 @@ def geometric_transform(params: Tensor, similarity: bool = True) -> Tensor:
 OFFICIAL_WEIGHTS = dict(dynamic_l2=10.0, presence=10.0, prior_within=1.0, prior_between=1.0,
                         posterior_within=0.0, posterior_between=0.0)
 OFFICIAL_MODEL = dict(dim=128, n_layers=4, n_heads=4, dim_special=32, encoder="official", background=0.01)
+OFFICIAL_TEMPLATE_INIT = 0.45   # half-width of OP_k,n's uniform init: TF's Glorot bound for [1, K, N, 6] is 0.447
 
 def _saved_config(ck: dict) -> dict:
-    "The CCAE settings in a checkpoint; those from before `encoder` and `background` existed get the old model's."
-    return {"encoder": "set_transformer", "background": None, "template_init": 0.45, **ck["config"]}
+    "The CCAE settings in a checkpoint; settings added since it was written get the values the model had then."
+    return {"encoder": "set_transformer", "background": None, "template_init": OFFICIAL_TEMPLATE_INIT, **ck["config"]}
 
 class CCAEOutput(NamedTuple):
     "Everything a CCAE forward pass returns; shapes for a batch [B, M] of points, K capsules with N votes each."
@@ -145,7 +160,7 @@ class CCAE(nn.Module):
     def __init__(self, n_objects: int = 3, n_votes: int = 4, dim_special: int = 16, dim: int = 128, n_heads: int = 4,
                  n_layers: int = 4, n_hidden: int = 128, similarity: bool = True, noise_scale: float = 4.0,
                  n_classes: int = 2, weights: Optional[dict] = None, encoder: str = "set_transformer",
-                 background: Optional[float] = None, template_init: float = 0.45):
+                 background: Optional[float] = None, template_init: float = OFFICIAL_TEMPLATE_INIT):
         super().__init__()
         K, N = n_objects, n_votes
         self.config = dict(n_objects=K, n_votes=N, dim_special=dim_special, dim=dim, n_heads=n_heads,
@@ -167,7 +182,7 @@ class CCAE(nn.Module):
         self.h_part = BatchMLP(K, [dim_special, n_hidden, n_hidden, sum(self.splits)], final_bias=False)
         self.bias = nn.Parameter(torch.zeros(K, sum(self.splits[1:])))    # bias of all but the dynamic OP part
         if not template_init > 0: raise ValueError(f"template_init must be positive, got {template_init!r}")
-        # learned static OP_k,n params, uniform in ±template_init (official: TF's Glorot bound for [1, K, N, 6], 0.447)
+        # learned static OP_k,n params, uniform in ±template_init (official: OFFICIAL_TEMPLATE_INIT)
         self.op_static = nn.Parameter(torch.empty(K, N, 6).uniform_(-template_init, template_init))
 
     def forward(self, points: Tensor, presence: Tensor) -> CCAEOutput:
@@ -237,7 +252,7 @@ class CCAE(nn.Module):
 @torch.no_grad()
 def evaluate_ccae(model: CCAE, n: int = 10_000, batch_size: int = 32, seed: int = 12345,
                   device: Optional[Union[str, torch.device]] = None) -> dict:
-    "Segmentation accuracy (also over the examples with 1, 2, … objects present), its floor (every point in one capsule) and mean log-likelihood on `n` fresh constellations."
+    "`segmentation_report` (accuracy and its one-capsule floor, also by objects present) and the mean log-likelihood on `n` fresh constellations."
     device = device or next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -250,14 +265,7 @@ def evaluate_ccae(model: CCAE, n: int = 10_000, batch_size: int = 32, seed: int 
         lls.append(out.log_likelihood.cpu())
     a, y, p, ll = (torch.cat(t)[:n] for t in (assignments, ids, presences, lls))
     model.train(was_training)
-    res = {"accuracy": segmentation_accuracy(a, y, p, n_capsules=model.K), "log_likelihood": ll.mean().item(), "n": n,
-           "one_capsule_baseline": segmentation_accuracy(torch.zeros_like(y), y, p, n_capsules=model.K)}
-    n_objects = torch.stack([((y == j) & p.bool()).any(1) for j in range(int(y.max()) + 1)], 1).sum(1)  # [n]
-    for c in range(1, int(n_objects.max()) + 1):                       # where it fails: by objects present
-        sel = n_objects == c
-        res[f"accuracy_{c}_objects"] = (segmentation_accuracy(a[sel], y[sel], p[sel], n_capsules=model.K)
-                                         if sel.any() else float("nan"))
-    return res
+    return {**segmentation_report(a, y, p, model.K), "log_likelihood": ll.mean().item(), "n": n}
 
 def _save(state: dict, path: Union[str, os.PathLike]) -> None:
     path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
@@ -415,7 +423,7 @@ def ccae_train_arguments(p) -> None:
                    help="capsule feature width (official 32)")
     p.add_argument("--background", type=float, default=OFFICIAL_MODEL["background"],
                    help="density and weight of the background component, Eq. (7.4) (official 0.01; 0 = none)")
-    p.add_argument("--template-init", type=float, default=0.45,
+    p.add_argument("--template-init", type=float, default=OFFICIAL_TEMPLATE_INIT,
                    help="half-width of the uniform initialisation of the static part poses (official 0.45)")
     p.add_argument("--posterior-sparsity", type=float, default=0.0,
                    help="weight of both posterior sparsity losses (official constellation run: 0)")

@@ -245,6 +245,8 @@ def test_evaluate_reports_the_one_capsule_floor_counted_by_hand():
             correct += max(sum(perm[j] == k for j, k in zip(y, a_)) for perm in itertools.permutations(range(3)))
             total += len(y)
         assert abs(res[f"accuracy_{c}_objects"] - correct / total) < 1e-9
+        assert abs(res[f"one_capsule_baseline_{c}_objects"] - sum(largest[b] for b in sel) / total) < 1e-9
+    assert res["one_capsule_baseline_1_objects"] == 1.0                  # one object: one capsule is right
     assert res["accuracy_1_objects"] != res["accuracy_3_objects"]
 
 

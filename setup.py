@@ -36,6 +36,7 @@ setuptools.setup(
     url=cfg['git_url'],
     packages=setuptools.find_packages(include=[cfg['lib_path'], cfg['lib_path'] + '.*']),
     include_package_data=True,
+    package_data={cfg['lib_path']: ['mnist_sample/*.gz', 'mnist_sample/README.md']},   # the shipped MNIST subset
     install_requires=requirements,
     extras_require={'dev': dev_requirements},
     python_requires='>=' + min_python,

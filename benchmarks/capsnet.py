@@ -32,7 +32,7 @@ from torch import nn
 from capsule_book.capsnet import CapsNet, capsnet_loss
 from capsule_book.data import MNISTBatches, load_mnist, random_shift
 from capsule_book.losses import MarginLoss
-from capsule_book.train import lr_factor
+from capsule_book.capsnet import lr_factor
 from capsule_book.utils import pick_device
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from pathlib import Path
 from typing import NamedTuple, Optional, Union
 
@@ -17,18 +16,22 @@ from torch import Tensor, nn
 from .constellations import Constellations, make_constellations
 from .gmm import check_background, gmm_log_joint, gmm_log_likelihood, gmm_log_likelihood_from_joint, gmm_posterior_from_joint
 from .set_transformer import SAB, Multihead, SetTransformer, _check_mask, _check_set
+from .train import RunResult, SyntheticStream, Task, UserError, fit, load_checkpoint
 
 # %% auto #0
 __all__ = ['OFFICIAL_WEIGHTS', 'OFFICIAL_MODEL', 'OFFICIAL_TEMPLATE_INIT', 'segmentation_accuracy', 'segmentation_report',
            'BatchLinear', 'BatchMLP', 'OfficialCapsuleEncoder', 'geometric_transform', 'CCAEOutput', 'CCAE',
-           'evaluate_ccae', 'train_ccae', 'load_ccae', 'plot_ccae', 'plot_ccae_history', 'ccae_train_arguments',
-           'ccae_from_args', 'train_ccae_command', 'eval_ccae_command', 'register_cli']
+           'evaluate_ccae', 'ccae_task', 'train_ccae', 'load_ccae', 'plot_ccae', 'plot_ccae_history']
+
+# %% ../nbs/08_ccae.ipynb #8dd6f109
+import itertools
+
+from scipy.optimize import linear_sum_assignment
 
 # %% ../nbs/08_ccae.ipynb #71018316
 def segmentation_accuracy(assignment: Tensor, pattern_id: Tensor, presence: Tensor,
                           n_capsules: Optional[int] = None, n_patterns: Optional[int] = None) -> float:
     "Fraction of present points whose capsule (assignment [B,M]) matches their object (pattern_id [B,M]) under the best one-to-one matching per example."
-    from scipy.optimize import linear_sum_assignment
     if not (assignment.shape == pattern_id.shape == presence.shape) or assignment.dim() != 2:
         raise ValueError(f"assignment, pattern_id and presence must all be [B, M], got {tuple(assignment.shape)}, "
                          f"{tuple(pattern_id.shape)} and {tuple(presence.shape)}")
@@ -40,10 +43,13 @@ def segmentation_accuracy(assignment: Tensor, pattern_id: Tensor, presence: Tens
     b_idx = np.broadcast_to(np.arange(B)[:, None], a.shape)
     counts = np.zeros((B, J, K), dtype=np.int64)                      # n_jk per example, present points only
     np.add.at(counts, (b_idx[p], y[p], a[p]), 1)
-    correct = 0
-    for n in counts:
-        rows, cols = linear_sum_assignment(n, maximize=True)          # best one-to-one map object -> capsule
-        correct += int(n[rows, cols].sum())
+    if J > K: counts = counts.transpose(0, 2, 1)                      # match the smaller side into the larger
+    rows, cols = counts.shape[1:]
+    if math.perm(cols, rows) <= 720:                                  # every one-to-one map at once (3 x 3: 6 maps)
+        maps = np.array(list(itertools.permutations(range(cols), rows)))              # [P, rows]
+        correct = int(counts[:, np.arange(rows), maps].sum(-1).max(-1).sum())          # [B, P, rows] -> best map
+    else:                                                             # the Hungarian algorithm, example by example
+        correct = sum(int(n[linear_sum_assignment(n, maximize=True)].sum()) for n in counts)
     total = int(p.sum())
     return correct / total if total else float("nan")
 
@@ -111,7 +117,6 @@ class OfficialCapsuleEncoder(nn.Module):
         z = self.z(h)                                                                 # [B, M, dim_out]
         return self.readout(self.queries.expand(X.shape[0], -1, -1), z, z, mask)      # [B, K, dim_out]
 
-
 # %% ../nbs/08_ccae.ipynb #e90bf8ca
 def geometric_transform(params: Tensor, similarity: bool = True) -> Tensor:
     "Six numbers [..., 6] -> a pose matrix [..., 3, 3] (similarity or affine), with the official non-linearities."
@@ -132,10 +137,6 @@ OFFICIAL_WEIGHTS = dict(dynamic_l2=10.0, presence=10.0, prior_within=1.0, prior_
                         posterior_within=0.0, posterior_between=0.0)
 OFFICIAL_MODEL = dict(dim=128, n_layers=4, n_heads=4, dim_special=32, encoder="official", background=0.01)
 OFFICIAL_TEMPLATE_INIT = 0.45   # half-width of OP_k,n's uniform init: TF's Glorot bound for [1, K, N, 6] is 0.447
-
-def _saved_config(ck: dict) -> dict:
-    "The CCAE settings in a checkpoint; settings added since it was written get the values the model had then."
-    return {"encoder": "set_transformer", "background": None, "template_init": OFFICIAL_TEMPLATE_INIT, **ck["config"]}
 
 class CCAEOutput(NamedTuple):
     "Everything a CCAE forward pass returns; shapes for a batch [B, M] of points, K capsules with N votes each."
@@ -267,94 +268,56 @@ def evaluate_ccae(model: CCAE, n: int = 10_000, batch_size: int = 32, seed: int 
     model.train(was_training)
     return {**segmentation_report(a, y, p, model.K), "log_likelihood": ll.mean().item(), "n": n}
 
-def _save(state: dict, path: Union[str, os.PathLike]) -> None:
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(state, tmp); os.replace(tmp, path)
-
-def train_ccae(model: CCAE, steps: int, batch_size: int = 32, lr: float = 1e-4, seed: int = 0,
-               optimizer: str = "rmsprop", checkpoint: Optional[Union[str, os.PathLike]] = None,
-               checkpoint_every: int = 1000, log_every: int = 50, eval_every: int = 0, eval_n: int = 2000,
-               progress: bool = True, device: Optional[Union[str, torch.device]] = None,
-               lr_decay: float = 1.0, decay_steps: int = 10_000) -> list[dict]:
-    "Train on fresh constellations for `steps` steps in all (resuming from `checkpoint` if it exists), learning rate lr·lr_decay^(step/decay_steps); returns the history (time_s counts all sessions)."
+# %% ../nbs/08_ccae.ipynb #46cb84ff
+def ccae_task(model: CCAE, batch_size: int = 32, lr: float = 1e-4, seed: int = 0, optimizer: str = "rmsprop",
+              lr_decay: float = 1.0, decay_steps: int = 10_000, eval_n: int = 2000, resume_command: str = "") -> Task:
+    "The engine's task for a CCAE on fresh constellations: RMSProp (official) or Adam, η(s) = lr·lr_decay^(s/decay_steps)."
     if not 0 < lr_decay <= 1 or decay_steps < 1:
         raise ValueError(f"lr_decay must lie in (0, 1] and decay_steps be >= 1, got {lr_decay} and {decay_steps}")
-    import warnings
-    with warnings.catch_warnings():                                      # no ipywidgets: a text bar, no warning
-        warnings.simplefilter("ignore")
-        from tqdm.auto import tqdm
-    device = device or next(model.parameters()).device
+    if batch_size < 1: raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     if optimizer == "rmsprop":
         opt = torch.optim.RMSprop(model.parameters(), lr=lr, alpha=0.9, momentum=0.9, eps=0.1 / batch_size)
     elif optimizer == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=lr)
     else:
         raise ValueError(f"optimizer must be 'rmsprop' or 'adam', got {optimizer!r}")
-    g, step, history, elapsed = torch.Generator().manual_seed(seed), 0, [], 0.0
-    chunk_state = g.get_state()                                          # generator state before the current chunk
-    if checkpoint is not None and Path(checkpoint).exists():
-        ck = torch.load(checkpoint, map_location="cpu", weights_only=False)
-        saved = _saved_config(ck)
-        differ = sorted(k for k in model.config if saved.get(k) != model.config[k])
-        if differ:
-            raise ValueError(f"{checkpoint} holds a CCAE with " + ", ".join(f"{k}={saved.get(k)!r}" for k in differ)
-                             + "; this model has " + ", ".join(f"{k}={model.config[k]!r}" for k in differ)
-                             + ": build the model with the checkpoint's settings, or train into another folder")
-        model.load_state_dict(ck["model"]); opt.load_state_dict(ck["optimizer"])
-        step, history, chunk_state = ck["step"], ck["history"], ck["generator"]
-        schedule = ck.get("lr_schedule", (lr, 1.0, 10_000))             # checkpoints from before lr_decay: constant
-        if tuple(schedule) != (lr, lr_decay, decay_steps):
-            raise ValueError(f"{checkpoint} was trained with (lr, lr_decay, decay_steps) = {tuple(schedule)}; "
-                             f"got {(lr, lr_decay, decay_steps)}")
-        elapsed = ck.get("elapsed_s", 0.0)
-        torch.set_rng_state(ck["torch_rng"])
-        g.set_state(chunk_state)
-        data = make_constellations(100 * batch_size, generator=g)       # the chunk the saved step was in
-    model.train()
-    t0, running, n_running = time.time(), {}, 0
-    bar = tqdm(range(step, steps), disable=not progress, mininterval=10.0, desc="CCAE")
-    for step in bar:
-        i = step % 100
-        if i == 0:                                                       # 100 batches, one normalisation
-            chunk_state = g.get_state()
-            data = make_constellations(100 * batch_size, generator=g)
-        x = data.points[i * batch_size:(i + 1) * batch_size].to(device)
-        p = data.presence[i * batch_size:(i + 1) * batch_size].to(device)
-        for group in opt.param_groups:                                   # the official exponential_decay, stateless
-            group["lr"] = lr * lr_decay ** (step / decay_steps)
-        out = model(x, p)
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        opt.step()
-        for k, v in {"loss": out.loss, **out.losses}.items():
-            running[k] = running.get(k, 0.0) + v.item()
-        n_running += 1
-        evaluate_now = eval_every > 0 and ((step + 1) % eval_every == 0 or step + 1 == steps)
-        if (step + 1) % log_every == 0 or step + 1 == steps or evaluate_now:
-            row = {"step": step + 1, "time_s": elapsed + time.time() - t0,
-                   **{k: v / n_running for k, v in running.items()}}
-            row["train_accuracy"] = segmentation_accuracy(out.assignment, data.pattern_id[i * batch_size:(i + 1) * batch_size],
-                                                          p.cpu(), n_capsules=model.K)
-            if evaluate_now:
-                row.update({f"eval_{k}": v for k, v in evaluate_ccae(model, eval_n, batch_size).items() if k != "n"})
-            history.append(row); running, n_running = {}, 0
-            bar.set_postfix(loss=f"{row['loss']:.2f}", acc=f"{row.get('eval_accuracy', row['train_accuracy']):.3f}",
-                            refresh=False)
-        if checkpoint is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
-            _save({"model": model.state_dict(), "config": model.config, "optimizer": opt.state_dict(),
-                   "step": step + 1, "history": history, "batch_size": batch_size,
-                   "elapsed_s": elapsed + time.time() - t0, "lr_schedule": (lr, lr_decay, decay_steps),
-                   "generator": chunk_state, "torch_rng": torch.get_rng_state()}, checkpoint)
-    return history
+    device = next(model.parameters()).device
+
+    def chunk(g: torch.Generator) -> list[Constellations]:                # 100 batches, one normalisation
+        data = make_constellations(100 * batch_size, generator=g)
+        return [Constellations(*(t[i * batch_size:(i + 1) * batch_size] for t in data)) for i in range(100)]
+
+    def loss(net: nn.Module, batch: Constellations) -> tuple[Tensor, dict]:
+        out = net(batch.points.to(device), batch.presence.to(device))
+        acc = segmentation_accuracy(out.assignment, batch.pattern_id, batch.presence, n_capsules=model.K)
+        return out.loss, {**{k: v.detach() for k, v in out.losses.items()}, "train_accuracy": acc}
+
+    config = dict(model=model.config, batch_size=batch_size, lr=lr, optimizer=optimizer, lr_decay=lr_decay,
+                  decay_steps=decay_steps, seed=seed)
+    return Task("ccae", config, model, opt, SyntheticStream(chunk, seed), loss,
+                lambda s: lr * lr_decay ** (s / decay_steps),
+                evaluate=lambda m: {k: v for k, v in evaluate_ccae(m, eval_n, batch_size).items() if k != "n"},
+                resume_command=resume_command or "train_ccae(..., resume=True)")
+
+def train_ccae(model: CCAE, steps: int, batch_size: int = 32, lr: float = 1e-4, seed: int = 0,
+               optimizer: str = "rmsprop", out: Optional[Union[str, os.PathLike]] = None, resume: bool = False,
+               max_minutes: Optional[float] = None, checkpoint_every: int = 1000, checkpoint_minutes: float = 10.0,
+               log_every: int = 50, eval_every: int = 0, eval_n: int = 2000, progress: bool = True,
+               lr_decay: float = 1.0, decay_steps: int = 10_000, stop_at: Optional[int] = None,
+               resume_command: str = "") -> RunResult:
+    "Train `model` on fresh constellations for `steps` steps in all through the engine (in `out`, resumable)."
+    task = ccae_task(model, batch_size, lr, seed, optimizer, lr_decay, decay_steps, eval_n, resume_command)
+    return fit(task, steps, out=out, resume=resume, max_minutes=max_minutes, checkpoint_every=checkpoint_every,
+               checkpoint_minutes=checkpoint_minutes, log_every=log_every, eval_every=eval_every, progress=progress,
+               stop_at=stop_at)
 
 # %% ../nbs/08_ccae.ipynb #56dded76
 def load_ccae(path: Union[str, os.PathLike], device: Optional[Union[str, torch.device]] = "cpu") -> tuple[CCAE, dict]:
-    "The CCAE saved in a `train_ccae` checkpoint (eval mode, on `device`) and the checkpoint."
-    path = Path(path)
-    if not path.exists(): raise FileNotFoundError(f"no checkpoint at {path}")
-    ck = torch.load(path, map_location=device, weights_only=False)
-    model = CCAE(**_saved_config(ck)).to(device)
+    "The CCAE of a run's checkpoint (eval mode, on `device`) and the checkpoint; another model's is refused."
+    ck = load_checkpoint(path, map_location=device)
+    if ck.get("task") != "ccae":
+        raise UserError(f"{path} holds a {ck.get('task', 'unknown')} checkpoint, not a CCAE one")
+    model = CCAE(**ck["config"]["model"]).to(device)
     model.load_state_dict(ck["model"])
     return model.eval(), ck
 
@@ -404,75 +367,3 @@ def plot_ccae_history(histories: Union[list[dict], dict[str, list[dict]]]):
         if ax.get_legend_handles_labels()[0]: ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     return fig
-
-# %% ../nbs/08_ccae.ipynb #67e07723
-def ccae_train_arguments(p) -> None:
-    "The flags of `capsule-book train ccae` (official defaults) on an argparse parser `p`; benchmarks/ccae.py takes the same."
-    p.add_argument("--steps", type=int, default=300_000, help="total optimiser steps (default 300000, the official)")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--lr-decay", type=float, default=1.0,
-                   help="multiply the learning rate by this every 10,000 steps, continuously (official code: computes 0.96, uses 1)")
-    p.add_argument("--optimizer", choices=["rmsprop", "adam"], default="rmsprop")
-    p.add_argument("--dim", type=int, default=128, help="Set Transformer width (official 128)")
-    p.add_argument("--n-layers", type=int, default=4, help="Set Transformer blocks (official 4)")
-    p.add_argument("--n-heads", type=int, default=4)
-    p.add_argument("--encoder", choices=["official", "set_transformer"], default=OFFICIAL_MODEL["encoder"],
-                   help="official: SABs read out by one attention (default); set_transformer: Chapter 5's PMA + SAB")
-    p.add_argument("--dim-special", type=int, default=OFFICIAL_MODEL["dim_special"],
-                   help="capsule feature width (official 32)")
-    p.add_argument("--background", type=float, default=OFFICIAL_MODEL["background"],
-                   help="density and weight of the background component, Eq. (7.4) (official 0.01; 0 = none)")
-    p.add_argument("--template-init", type=float, default=OFFICIAL_TEMPLATE_INIT,
-                   help="half-width of the uniform initialisation of the static part poses (official 0.45)")
-    p.add_argument("--posterior-sparsity", type=float, default=0.0,
-                   help="weight of both posterior sparsity losses (official constellation run: 0)")
-    p.add_argument("--out", default="runs/ccae", help="folder for last.pt and history.json (default runs/ccae)")
-    p.add_argument("--eval-every", type=int, default=0, help="evaluate on fresh constellations every N steps")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help="cuda, mps or cpu (default: the fastest available)")
-    p.add_argument("--no-progress", action="store_true")
-
-def ccae_from_args(args) -> CCAE:
-    "The CCAE that the `train ccae` arguments describe (shared by the command line and benchmarks/ccae.py)."
-    weights = dict(posterior_within=args.posterior_sparsity, posterior_between=args.posterior_sparsity)
-    return CCAE(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, dim_special=args.dim_special,
-                encoder=args.encoder, background=args.background or None, weights=weights,
-                template_init=args.template_init)
-
-def train_ccae_command(args) -> int:
-    "`capsule-book train ccae`: train (or resume) a CCAE, print the last history row as JSON."
-    import json
-    from capsule_book.utils import pick_device, seed_everything
-    device = pick_device(args.device)
-    seed_everything(args.seed)
-    model = ccae_from_args(args).to(device)
-    out = Path(args.out)
-    history = train_ccae(model, args.steps, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
-                         seed=args.seed, checkpoint=out / "last.pt", eval_every=args.eval_every,
-                         progress=not args.no_progress, device=device, lr_decay=args.lr_decay)
-    (out / "history.json").write_text(json.dumps(history))
-    if history: print(json.dumps(history[-1]))
-    return 0
-
-def _ccae_eval_arguments(p) -> None:
-    p.add_argument("--checkpoint", required=True, help="a last.pt written by `capsule-book train ccae`")
-    p.add_argument("--n", type=int, default=10_000, help="fresh constellations to segment (default 10000)")
-    p.add_argument("--seed", type=int, default=12345)
-    p.add_argument("--device", default=None)
-
-def eval_ccae_command(args) -> int:
-    "`capsule-book eval ccae`: segmentation accuracy of a checkpoint on fresh constellations, printed as JSON."
-    import json
-    from capsule_book.utils import pick_device
-    device = pick_device(args.device)
-    model, ck = load_ccae(args.checkpoint, device)
-    res = evaluate_ccae(model, n=args.n, batch_size=ck.get("batch_size", 32), seed=args.seed)
-    print(json.dumps({"checkpoint": str(args.checkpoint), "steps": ck["step"], **res}))
-    return 0
-
-def register_cli() -> None:
-    "Add `train ccae` and `eval ccae` to the `capsule-book` command line."
-    from capsule_book.cli import register
-    register("train", "ccae", ccae_train_arguments, help="Constellation Capsule Autoencoder")(train_ccae_command)
-    register("eval", "ccae", _ccae_eval_arguments, help="segmentation accuracy of a CCAE checkpoint")(eval_ccae_command)

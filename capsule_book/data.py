@@ -8,16 +8,51 @@ from pathlib import Path
 from typing import Optional, Union
 
 # %% auto #0
-__all__ = ['DATA_ENV', 'MNIST_FILES', 'data_root', 'mnist_raw_folder', 'load_mnist', 'random_shift', 'MNISTBatches']
+__all__ = ['DATA_ENV', 'DEFAULT_DATA_ROOT', 'IDX_TYPES', 'MNIST_SAMPLE_SIZE', 'MNIST_FILES', 'data_root', 'read_idx',
+           'mnist_sample_folder', 'mnist_raw_folder', 'load_mnist', 'random_shift', 'MNISTBatches']
 
 # %% ../nbs/91_data.ipynb #d23931b1
 DATA_ENV = "CAPSULE_BOOK_DATA"
+DEFAULT_DATA_ROOT = "~/.cache/capsule_book"
 
 def data_root(root: Optional[Union[str, os.PathLike]] = None) -> Path:
-    "The folder datasets live in: `root` if given, else `$CAPSULE_BOOK_DATA`, else `./data`."
+    "The folder datasets live in: `root` if given, else `$CAPSULE_BOOK_DATA`, else `~/.cache/capsule_book`."
     if root is None:
-        root = os.environ.get(DATA_ENV) or "data"
+        root = os.environ.get(DATA_ENV) or DEFAULT_DATA_ROOT
     return Path(root).expanduser()
+
+# %% ../nbs/91_data.ipynb #7b4f19d2
+import gzip
+from math import prod
+
+import numpy as np
+
+IDX_TYPES = {0x08: "u1", 0x09: "i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+def read_idx(path: Union[str, os.PathLike]) -> np.ndarray:
+    "The array stored in an idx file (gzip-compressed if its name ends in `.gz`), in its shape and native byte order."
+    path = Path(path)
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+        data = f.read()
+    if len(data) < 4 or data[:2] != b"\0\0" or data[2] not in IDX_TYPES:
+        types = " ".join(f"{t:02x}" for t in IDX_TYPES)
+        raise ValueError(f"{path} is not an idx file: it starts with {data[:4].hex()}, where an idx file starts "
+                         f"with 00 00, a type byte (one of {types}) and the number of dimensions")
+    d, dtype = data[3], np.dtype(IDX_TYPES[data[2]])
+    shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(d))
+    if len(data) != 4 + 4 * d + prod(shape) * dtype.itemsize:
+        raise ValueError(f"{path} holds {len(data) - 4 - 4 * d} bytes of data where its header, shape {list(shape)}, "
+                         f"needs {prod(shape) * dtype.itemsize}: the file is cut short or corrupt")
+    return np.frombuffer(data, dtype, offset=4 + 4 * d).reshape(shape).astype(dtype.newbyteorder("="))
+
+# %% ../nbs/91_data.ipynb #f6b2d8c4
+from importlib.resources import files
+
+MNIST_SAMPLE_SIZE = {"train": 2000, "test": 1000}   # the first 2,000 training and 1,000 test digits
+
+def mnist_sample_folder() -> Path:
+    "The folder of the MNIST subset installed with the package (idx files, gzip-compressed)."
+    return Path(str(files("capsule_book") / "mnist_sample"))
 
 # %% ../nbs/91_data.ipynb #9c7c6ed7
 import torch
@@ -30,20 +65,27 @@ def mnist_raw_folder(root: Optional[Union[str, os.PathLike]] = None) -> Path:
     return data_root(root) / "MNIST" / "raw"
 
 def load_mnist(train: bool = True, root: Optional[Union[str, os.PathLike]] = None, limit: Optional[int] = None,
-               download: bool = True) -> tuple[Tensor, Tensor]:
-    "MNIST as in-memory tensors: images uint8 [N,28,28], labels int64 [N]; the first `limit` examples if given."
-    from torchvision.datasets import MNIST
-    try:
-        ds = MNIST(str(data_root(root)), train=train, download=download)
-    except Exception as e:  # no files and no internet (or download=False)
-        raw = mnist_raw_folder(root)
-        raise FileNotFoundError(
-            f"MNIST was not found in {raw} and could not be downloaded ({type(e).__name__}). Put the four files "
-            f"{', '.join(MNIST_FILES)} (unpacked, or as .gz) in {raw}/, or set the environment variable {DATA_ENV} "
-            f"to a folder that holds MNIST/raw/ with them.") from e
-    images, labels = ds.data, ds.targets
+               download: bool = True, sample: bool = False) -> tuple[Tensor, Tensor]:
+    """MNIST as in-memory tensors: images uint8 [N,28,28], labels int64 [N]; the first `limit` examples if given.
+    `sample=True` reads the subset shipped with the package (the first 2,000 training or 1,000 test digits)."""
+    if limit is not None and limit < 1: raise ValueError(f"limit must be a positive number of examples, got {limit}")
+    if sample:
+        prefix = mnist_sample_folder() / ("train" if train else "t10k")
+        images = torch.from_numpy(read_idx(f"{prefix}-images-idx3-ubyte.gz"))
+        labels = torch.from_numpy(read_idx(f"{prefix}-labels-idx1-ubyte.gz")).long()
+    else:
+        from torchvision.datasets import MNIST
+        try:
+            ds = MNIST(str(data_root(root)), train=train, download=download)
+        except Exception as e:  # no files and no internet (or download=False)
+            raw = mnist_raw_folder(root)
+            raise FileNotFoundError(
+                f"MNIST was not found in {raw} and could not be downloaded ({type(e).__name__}). Put the four "
+                f"decompressed files {', '.join(MNIST_FILES)} in {raw}/ (or set {DATA_ENV} to a folder whose "
+                f"MNIST/raw/ holds them), or pass sample=True for the 2,000 training and 1,000 test digits shipped "
+                f"with the package.") from e
+        images, labels = ds.data, ds.targets
     if limit is not None:
-        if limit < 1: raise ValueError(f"limit must be a positive number of examples, got {limit}")
         images, labels = images[:limit], labels[:limit]
     return images, labels
 

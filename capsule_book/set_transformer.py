@@ -26,12 +26,25 @@ def attention(Q: Tensor, K: Tensor, V: Tensor, mask: Optional[Tensor] = None) ->
     return omega @ V                                             # [..., n, d_v]
 
 # %% ../nbs/05_set_transformer.ipynb #eac95111
-def _check_set(name: str, t: Tensor, dim: int) -> None:
-    "Refuse anything but a batch of sets [B, n, dim], naming the expected and received shape."
+def _some(bad: Tensor, k: int = 10) -> str:
+    "The indices where bad [B] is True, the first k of them, for an error message."
+    idx = bad.nonzero().flatten().tolist()
+    return str(idx) if len(idx) <= k else f"{str(idx[:k])[:-1]}, … ({len(idx)} in all)]"
+
+def _check_set(name: str, t: Tensor, dim: int, values: bool = True) -> None:
+    "Refuse anything but a batch of sets [B, n, dim] with n ≥ 1 (and, if `values`, finite), naming what is wrong."
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor [B, n, {dim}], got {type(t).__name__}")
     if t.dim() != 3 or t.shape[-1] != dim:
         raise ValueError(f"{name} must be a batch of sets [B, n, {dim}], got shape {list(t.shape)}")
+    if t.shape[1] == 0 and t.shape[0] > 0:
+        raise ValueError(f"every set needs at least one present element; {name} has shape {list(t.shape)}, "
+                         f"so all {t.shape[0]} sets are empty")
+    if values and not torch.isfinite(t.sum()):                    # a NaN or ±inf anywhere reaches the sum: one reduction
+        bad = ~torch.isfinite(t).flatten(1).all(1)                 # [B], only then (or if the sum overflowed)
+        if bad.any():
+            raise ValueError(f"{name} must be finite, absent elements too (attention weighs them by 0, and 0·NaN = "
+                             f"NaN); set(s) {_some(bad)} hold NaN or inf")
 
 def _check_mask(mask: Optional[Tensor], B: int, m: int) -> Optional[Tensor]:
     "A mask is a bool tensor [B, m], True for present elements, with at least one present element per set."
@@ -42,9 +55,10 @@ def _check_mask(mask: Optional[Tensor], B: int, m: int) -> Optional[Tensor]:
                          f"got {getattr(mask, 'dtype', type(mask).__name__)}")
     if tuple(mask.shape) != (B, m):
         raise ValueError(f"mask must have shape [B, m] = [{B}, {m}] (True = present), got {list(mask.shape)}")
-    empty = (~mask.any(dim=-1)).nonzero().flatten().tolist()
-    if empty:
-        raise ValueError(f"every set needs at least one present element; set(s) {empty} have none")
+    present = mask.any(dim=-1)                                    # [B]
+    if not present.all():
+        raise ValueError(f"every set needs at least one present element; set(s) {_some(~present)} have none "
+                         f"(their mask is all False)")
     return mask
 
 # %% ../nbs/05_set_transformer.ipynb #6bb7a733
@@ -99,7 +113,7 @@ class MAB(nn.Module):
 
     def forward(self, X: Tensor, Y: Tensor, mask: Optional[Tensor] = None) -> Tensor:
         "X [B, n, dim_q] attends to Y [B, m, dim_kv]; mask [B, m] True = present (absent keys are ignored) → [B, n, dim]."
-        _check_set("X", X, self.dim_q); _check_set("Y", Y, self.dim_kv)
+        _check_set("X", X, self.dim_q); _check_set("Y", Y, self.dim_kv, values=Y is not X)   # SAB: X was just checked
         if X.shape[0] != Y.shape[0]:
             raise ValueError(f"X and Y must hold the same number of sets, got X {list(X.shape)} and Y {list(Y.shape)}")
         mask = _check_mask(mask, Y.shape[0], Y.shape[1])

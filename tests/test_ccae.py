@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from capsule_book.train import CheckpointError, UserError
 from capsule_book.ccae import (CCAE, BatchLinear, evaluate_ccae, geometric_transform, segmentation_accuracy, train_ccae)
 from capsule_book.constellations import make_constellations
 from capsule_book.gmm import gmm_log_likelihood, gmm_posterior
@@ -165,7 +166,7 @@ def test_bad_inputs_and_weights_refused():
 def test_training_lowers_the_loss_and_gradients_finite():
     torch.manual_seed(0)
     model = CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=32)
-    hist = train_ccae(model, 80, batch_size=16, lr=3e-3, optimizer="adam", log_every=20, progress=False)
+    hist = train_ccae(model, 80, batch_size=16, lr=3e-3, optimizer="adam", log_every=20, progress=False).history
     assert hist[-1]["nll"] < hist[0]["nll"] - 1.0
     assert all(math.isfinite(r["loss"]) for r in hist)
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -175,18 +176,17 @@ def test_checkpoint_resume_is_exact(tmp_path):
     def fresh():
         torch.manual_seed(0)
         return CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=16)
+    kw = dict(batch_size=8, lr=1e-3, optimizer="adam", log_every=3, progress=False)
     a = fresh()
-    train_ccae(a, 6, batch_size=8, lr=1e-3, optimizer="adam", log_every=3, progress=False)
+    train_ccae(a, 6, **kw)
     b = fresh()
-    ck = tmp_path / "ccae.pt"
-    train_ccae(b, 4, batch_size=8, lr=1e-3, optimizer="adam", log_every=3, progress=False, checkpoint=ck,
-               checkpoint_every=2)
+    train_ccae(b, 6, out=tmp_path, stop_at=4, checkpoint_every=2, **kw)          # stopped inside a chunk
     c = fresh()
     torch.manual_seed(123)  # resuming must not depend on the state the caller left
-    hist = train_ccae(c, 6, batch_size=8, lr=1e-3, optimizer="adam", log_every=3, progress=False, checkpoint=ck)
+    hist = train_ccae(c, 6, out=tmp_path, resume=True, **kw).history
     for p, q in zip(a.parameters(), c.parameters()):
-        torch.testing.assert_close(p, q)
-    assert [r["step"] for r in hist] == [3, 4, 6]
+        assert torch.equal(p, q)                                                    # bit-identical
+    assert [r["step"] for r in hist] == [3, 6]
 
 
 def test_figures_draw_points_and_votes(model_and_batch):
@@ -210,17 +210,17 @@ def test_figures_draw_points_and_votes(model_and_batch):
 def test_command_line_train_resume_eval(tmp_path, capsys):
     import json
     from capsule_book import cli
-    from capsule_book.ccae import load_ccae      # cli.main itself must register the ccae commands
+    from capsule_book.ccae import load_ccae
     small = ["--batch-size", "8", "--dim", "16", "--n-layers", "1", "--n-heads", "2", "--out", str(tmp_path),
-             "--no-progress", "--device", "cpu"]
+             "--no-progress", "--device", "cpu", "--eval-n", "50"]
     assert cli.main(["train", "ccae", "--steps", "2", *small]) == 0
-    assert cli.main(["train", "ccae", "--steps", "4", *small]) == 0
+    assert cli.main(["train", "ccae", "--steps", "4", "--resume", *small]) == 0
     model, ck = load_ccae(tmp_path / "last.pt")
     assert ck["step"] == 4 and model.config["dim"] == 16
     capsys.readouterr()
     assert cli.main(["eval", "ccae", "--checkpoint", str(tmp_path / "last.pt"), "--n", "100", "--device", "cpu"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert res["steps"] == 4 and 0.0 <= res["accuracy"] <= 1.0 and res["n"] == 100
+    assert res["step"] == 4 and 0.0 <= res["accuracy"] <= 1.0 and res["n"] == 100
 
 
 def test_evaluate_reports_the_one_capsule_floor_counted_by_hand():
@@ -293,17 +293,15 @@ def test_official_model_uses_the_background_component():
         CCAE(dim=16, n_layers=1, background=0.0)
 
 
-def test_load_ccae_reads_checkpoints_from_before_the_options(tmp_path):
+def test_load_ccae_refuses_other_checkpoints_by_name(tmp_path):
     from capsule_book.ccae import load_ccae
-    torch.manual_seed(0)
-    model = CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=16)
-    legacy = {k: v for k, v in model.config.items() if k not in ("encoder", "background", "template_init")}
-    torch.save({"model": model.state_dict(), "config": legacy, "step": 7}, tmp_path / "old.pt")
-    loaded, ck = load_ccae(tmp_path / "old.pt")
-    assert loaded.config["encoder"] == "set_transformer" and loaded.background is None and ck["step"] == 7
-    assert loaded.config["template_init"] == 0.45
-    b = make_constellations(8, generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(loaded(b.points, b.presence).log_likelihood, model.eval()(b.points, b.presence).log_likelihood)
+    from capsule_book.train import save_checkpoint
+    save_checkpoint({"task": "capsnet", "model": {}, "config": {}, "step": 3}, tmp_path / "capsnet.pt")
+    with pytest.raises(UserError, match="holds a capsnet checkpoint, not a CCAE one"):
+        load_ccae(tmp_path / "capsnet.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint at all")
+    with pytest.raises(CheckpointError, match="junk.pt is not a readable checkpoint"):
+        load_ccae(tmp_path / "junk.pt")
 
 
 def test_template_init_sets_the_range_of_the_static_part_poses():
@@ -323,29 +321,30 @@ def test_template_init_sets_the_range_of_the_static_part_poses():
 def test_resuming_with_another_model_is_refused_by_name(tmp_path):
     torch.manual_seed(0)
     ck = tmp_path / "last.pt"
-    train_ccae(CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=16), 2, batch_size=8, checkpoint=ck, progress=False)
+    train_ccae(CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=16), 2, batch_size=8, out=tmp_path, progress=False)
     other = CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=16, encoder="official", background=0.01)
-    with pytest.raises(ValueError, match=r"encoder='set_transformer'.*encoder='official'"):
-        train_ccae(other, 4, batch_size=8, checkpoint=ck, progress=False)
+    with pytest.raises(CheckpointError, match=r"encoder': 'set_transformer'.*encoder': 'official'"):
+        train_ccae(other, 4, batch_size=8, out=tmp_path, resume=True, progress=False)
 
 
 def test_learning_rate_decays_as_the_official_exponential_decay(tmp_path):
     torch.manual_seed(0)
     ck = tmp_path / "last.pt"
     model = CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=16)
-    train_ccae(model, 6, batch_size=8, lr=1e-3, checkpoint=ck, progress=False, lr_decay=0.5, decay_steps=2)
+    train_ccae(model, 6, batch_size=8, lr=1e-3, out=tmp_path, progress=False, lr_decay=0.5, decay_steps=2)
     saved = torch.load(ck, weights_only=False)
     assert saved["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1e-3 * 0.5 ** (5 / 2))   # the 6th step: step 5
-    assert saved["lr_schedule"] == (1e-3, 0.5, 2)
-    with pytest.raises(ValueError, match="lr_decay"):
-        train_ccae(model, 8, batch_size=8, lr=1e-3, checkpoint=ck, progress=False)                # another schedule
+    assert (saved["config"]["lr"], saved["config"]["lr_decay"], saved["config"]["decay_steps"]) == (1e-3, 0.5, 2)
+    with pytest.raises(CheckpointError, match="lr_decay"):
+        train_ccae(model, 8, batch_size=8, lr=1e-3, out=tmp_path, resume=True, progress=False)    # another schedule
     with pytest.raises(ValueError, match=r"lr_decay must lie in \(0, 1\]"):
         train_ccae(model, 2, batch_size=8, lr_decay=1.5, progress=False)
 
 
 def test_command_line_defaults_build_the_official_model():
     import argparse
-    from capsule_book.ccae import OFFICIAL_MODEL, ccae_train_arguments, ccae_from_args
+    from capsule_book.ccae import OFFICIAL_MODEL
+    from capsule_book.cli import ccae_from_args, ccae_train_arguments
     p = argparse.ArgumentParser()
     ccae_train_arguments(p)
     config = ccae_from_args(p.parse_args([])).config

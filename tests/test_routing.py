@@ -197,10 +197,16 @@ def test_autocast_runs_and_stays_close_to_float32():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         v16, c16 = r(u, return_coupling=True)
     g16 = torch.autograd.grad(v16.float().square().sum(), (u, r.weight))
-    assert (v16.float() - v32).abs().max() < 0.02 * v32.abs().max()
-    torch.testing.assert_close(c16.float().sum(-1), torch.ones(4, 64), atol=1e-2, rtol=0)
+    # bfloat16 keeps 8 bits (ε = 2⁻⁷): the predictions, the total inputs and the squash are each rounded to it
+    # (relative ε/2 each) while the sums accumulate in float32, so the outputs and gradients stay within a few ε:
+    # c = 4 ε, measured 1.1 ε (outputs) and 0.9 ε (gradients) on AVX-512, AVX2 and SSE4 back-ends alike
+    eps16 = torch.finfo(torch.bfloat16).eps
+    assert (v16.float() - v32).abs().max() < 4 * eps16 * v32.abs().max()
+    assert c16.dtype == torch.float32                      # the softmax runs in float32 under autocast: a sum of 10
+    eps32 = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(c16.sum(-1), torch.ones(4, 64), rtol=0, atol=4 * eps32 * math.sqrt(10))
     for a, b in zip(g16, g32):
-        assert a.dtype == torch.float32 and ((a - b).norm() / b.norm()) < 0.05
+        assert a.dtype == torch.float32 and ((a - b).norm() / b.norm()) < 4 * eps16
 
 
 def test_returned_coupling_is_contiguous_in_the_documented_layout():

@@ -1,10 +1,14 @@
 """Eq. (1) of Sabour et al. 2017, checked on the installed package (the notebook checks it too)."""
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
 from capsule_book.squash import Squash, squash
+
+EPS32 = torch.finfo(torch.float32).eps
 
 vectors = arrays("float64", st.tuples(st.integers(1, 5), st.integers(1, 16)),
                  elements=st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False))
@@ -25,7 +29,11 @@ def test_length_is_eq1(x):
 def test_length_is_eq1_float32(x):
     s = torch.from_numpy(x).float()
     n = s.double().norm(dim=-1)
-    torch.testing.assert_close(squash(s).double().norm(dim=-1), n**2 / (1 + n**2), atol=1e-6, rtol=1e-6)
+    exact = n**2 / (1 + n**2) * n / torch.sqrt(n**2 + 1e-8)        # Eq. (1) with squash's ε = 1e-8 inside the √
+    # relative round-off: ‖s‖² sums d terms, then a few operations per element (c = 4); below float32's smallest
+    # normal number (‖s‖ < 1e-19, so ‖v‖ < 1e-50) the products underflow, hence the absolute floor
+    torch.testing.assert_close(squash(s).double().norm(dim=-1), exact,
+                               rtol=4 * EPS32 * math.sqrt(s.shape[-1]), atol=torch.finfo(torch.float32).tiny)
 
 
 @settings(max_examples=100, deadline=None)
@@ -41,7 +49,8 @@ def test_direction_preserved(x):
 
 def test_known_values():
     v = squash(torch.tensor([[3.0, 4.0], [0.0, 1.0]]))  # lengths 5 and 1
-    torch.testing.assert_close(v, torch.tensor([[25 / 26 * 0.6, 25 / 26 * 0.8], [0.0, 0.5]]))
+    torch.testing.assert_close(v, torch.tensor([[25 / 26 * 0.6, 25 / 26 * 0.8], [0.0, 0.5]]),
+                               rtol=4 * EPS32, atol=0)                     # a few float32 roundings of each value
 
 
 def test_dim_argument_and_module():

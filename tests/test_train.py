@@ -1,4 +1,6 @@
-"""Training machinery of capsule_book.train and the capsule-book command: resumption, checkpoints, CLI, DDP."""
+"""The one training engine (capsule_book.train) and the capsule-book command: exact resume for every model, clean
+stops, refusals in one line, checkpoints that survive a crash, two processes under torchrun."""
+import ast
 import json
 import os
 import socket
@@ -9,36 +11,49 @@ from pathlib import Path
 import pytest
 import torch
 
+from capsule_book.capsnet import CapsNet, TrainConfig, train_capsnet
 from capsule_book.cli import main
 from capsule_book.data import MNISTBatches, load_mnist, random_shift
-from capsule_book.train import TrainConfig, load_checkpoint, save_checkpoint, train_capsnet
+from capsule_book.train import (CheckpointError, EpochStream, SyntheticStream, UserError, load_checkpoint,
+                                save_checkpoint)
 
-TINY = dict(limit_train=32, limit_test=32, batch_size=16, routing_iterations=1, eval_batch_size=32, progress=False,
-            device="cpu")
+PACKAGE = Path(__file__).resolve().parent.parent / "capsule_book"
+TINY = dict(limit_train=48, limit_test=32, batch_size=16, routing_iterations=1, eval_batch_size=32, progress=False,
+            device="cpu", sample=True, log_every=1)
+SMALL_CAPSNET = ["--limit-train", "32", "--limit-test", "32", "--batch-size", "16", "--routing-iterations", "1",
+                 "--sample", "--device", "cpu", "--no-progress"]
 
 
-def test_resume_continues_exactly(tmp_path):
-    straight = train_capsnet(TrainConfig(epochs=2, out=str(tmp_path / "a"), **TINY))
-    train_capsnet(TrainConfig(epochs=1, out=str(tmp_path / "b"), **TINY))
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_capsnet_stopped_inside_an_epoch_resumes_bit_exactly(tmp_path):
+    straight = train_capsnet(TrainConfig(epochs=2, out=str(tmp_path / "a"), **TINY))      # 3 batches an epoch
+    part = train_capsnet(TrainConfig(epochs=2, out=str(tmp_path / "b"), stop_at=4, **TINY))
+    stopped = load_checkpoint(tmp_path / "b" / "last.pt")
+    assert (part.step, part.finished) == (4, False) and stopped["stream"] == {"epoch": 1, "batch": 1}
     resumed = train_capsnet(TrainConfig(epochs=2, out=str(tmp_path / "b"), resume=True, **TINY))
-    a, b = straight.model.state_dict(), resumed.model.state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    ck = load_checkpoint(tmp_path / "b" / "last.pt")
-    assert ck["epoch"] == 2 and ck["scheduler"]["last_epoch"] == 4
-    assert set(ck) >= {"model", "optimizer", "scheduler", "epoch", "rng", "config", "history"}
-    lines = [json.loads(l) for l in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
-    assert [l["epoch"] for l in lines] == [1, 2] and lines[-1]["test_accuracy"] == straight.history[-1]["test_accuracy"]
-    # stopped inside the second epoch (max_steps), then resumed: still the same weights
-    train_capsnet(TrainConfig(epochs=2, out=str(tmp_path / "c"), max_steps=3, **TINY))
-    stopped = load_checkpoint(tmp_path / "c" / "last.pt")
-    assert (stopped["epoch"], stopped["batch"], stopped["scheduler"]["last_epoch"]) == (1, 1, 3)
-    mid = train_capsnet(TrainConfig(epochs=2, out=str(tmp_path / "c"), resume=True, **TINY)).model.state_dict()
-    assert all(torch.equal(a[k], mid[k]) for k in a)
+    assert resumed.finished and same_weights(straight.model, resumed.model)
+    rows = [json.loads(l) for l in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))                       # one row per log step, no repeats
+    drop = lambda r: {k: v for k, v in r.items() if k != "elapsed_s"}
+    assert [drop(r) for r in rows] == [drop(r) for r in straight.history]      # the same metrics, value for value
+    assert set(stopped) >= {"task", "config", "step", "model", "optimizer", "stream", "rng", "elapsed"}
+
+
+def test_metrics_rows_after_the_last_checkpoint_are_not_repeated(tmp_path):
+    train_capsnet(TrainConfig(epochs=2, out=str(tmp_path), stop_at=2, **TINY))
+    with open(tmp_path / "metrics.jsonl", "a") as f:                           # a crash after a log row at step 3
+        f.write(json.dumps({"step": 3, "loss": 9.9}) + "\n")
+    train_capsnet(TrainConfig(epochs=2, out=str(tmp_path), resume=True, **TINY))
+    steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 7))
 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     path = tmp_path / "last.pt"
-    save_checkpoint({"epoch": 1}, path)
+    save_checkpoint({"model": {}, "step": 1}, path)
 
     def crash(obj, f, *a, **k):
         Path(f).write_bytes(b"partial")
@@ -46,13 +61,28 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint({"epoch": 2}, path)
+        save_checkpoint({"model": {}, "step": 2}, path)
     monkeypatch.undo()
-    assert load_checkpoint(path)["epoch"] == 1          # the old checkpoint survives a crash while saving
+    assert load_checkpoint(path)["step"] == 1          # the old checkpoint survives a crash while saving
+
+
+def test_streams_resume_at_any_position():
+    g = torch.Generator().manual_seed(0)
+    x, y = load_mnist(False, limit=40, sample=True)
+    for build in (lambda: EpochStream(MNISTBatches(x, y, 16, shuffle=True, max_shift=2, seed=3)),
+                  lambda: SyntheticStream(lambda g: [torch.rand(2, generator=g) for _ in range(4)], seed=5)):
+        for cut in (0, 1, 3, 4, 7):
+            a = build()
+            for _ in range(cut): next(a)
+            b = build(); b.load_state_dict(a.state_dict())
+            for _ in range(6):
+                p, q = next(a), next(b)
+                p, q = (p[0], q[0]) if isinstance(p, tuple) else (p, q)
+                assert torch.equal(p, q), cut
 
 
 def test_shift_and_sharding():
-    x, y = load_mnist(False, limit=20)
+    x, y = load_mnist(False, limit=20, sample=True)
     g = torch.Generator().manual_seed(0)
     img = x[:4, None].float() / 255
     shifted = random_shift(img, 2, g)
@@ -62,30 +92,107 @@ def test_shift_and_sharding():
     assert seen == list(range(20))
 
 
-def test_cli_bad_arguments_exit_2(capsys):
-    for argv in (["train", "capsnet", "--epochs", "-1"], ["train", "no-such-model"], ["eval", "capsnet"],
-                 ["train", "capsnet", "--routing-iterations", "three"]):
-        with pytest.raises(SystemExit) as e:
-            main(argv)
-        assert e.value.code == 2
-    assert "--checkpoint" in capsys.readouterr().err
+def refused(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "Traceback" not in "\n".join(err), err
+    return err[-1]
 
 
-def test_cli_train_then_eval(tmp_path, capsys):
+def test_bad_arguments_exit_2_in_one_line(capsys):
+    cases = {("train", "capsnet", "--epochs", "-1"): "must be a positive integer",
+             ("train", "no-such-model"): "invalid choice",
+             ("eval", "capsnet"): "--checkpoint",
+             ("train", "capsnet", "--routing-iterations", "three"): "must be a positive integer",
+             ("train", "ccae", "--device", "cuda"): "not available here",
+             ("train", "ccae", "--batch-size", "0"): "must be a positive integer",
+             ("train", "ccae", "--steps", "0"): "must be a positive integer",
+             ("train", "mog", "--max-minutes", "0"): "must be a positive number",
+             ("train", "mog", "--n-min", "50", "--n-max", "10", "--steps", "1", "--out", "/nonexistent/x"): "n_min <= n_max",
+             ("eval", "capsnet", "--checkpoint", "/nonexistent/last.pt"): "no checkpoint at /nonexistent/last.pt",
+             ("eval", "mog", "--weights", "no-such-model"): "no shipped model 'no-such-model'"}
+    for argv, words in cases.items():
+        assert words in refused(list(argv), capsys), argv
+
+
+def test_an_occupied_folder_a_foreign_or_broken_checkpoint_is_refused(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "capsnet", "--steps", "2", "--out", str(run), *SMALL_CAPSNET]) == 0
+    capsys.readouterr()
+    line = refused(["train", "capsnet", "--steps", "4", "--out", str(run), *SMALL_CAPSNET], capsys)
+    assert line.endswith(f"{run} already holds a run at step 2; pass --resume to continue it or choose another --out")
+    assert "routing_iterations" in refused(["train", "capsnet", "--steps", "4", "--out", str(run), "--resume",
+                                            *SMALL_CAPSNET[:-3], "--routing-iterations", "2", "--sample",
+                                            "--device", "cpu"], capsys)            # another configuration
+    assert "holds a capsnet run, not a ccae run" in refused(
+        ["train", "ccae", "--steps", "4", "--resume", "--out", str(run), "--dim", "16", "--n-layers", "1"], capsys)
+    assert "holds a capsnet checkpoint, not a CCAE one" in refused(
+        ["eval", "ccae", "--checkpoint", str(run / "last.pt"), "--n", "10"], capsys)
+    ccae = tmp_path / "ccae"
+    assert main(["train", "ccae", "--steps", "1", "--out", str(ccae), "--dim", "16", "--n-layers", "1",
+                 "--n-heads", "2", "--batch-size", "4", "--no-progress", "--eval-n", "10", "--device", "cpu"]) == 0
+    capsys.readouterr()
+    assert "holds a ccae checkpoint, not a CapsNet one" in refused(
+        ["eval", "capsnet", "--checkpoint", str(ccae / "last.pt"), "--sample"], capsys)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "last.pt").write_bytes((run / "last.pt").read_bytes()[:1000])       # truncated
+    line = refused(["eval", "capsnet", "--checkpoint", str(broken / "last.pt"), "--sample"], capsys)
+    assert f"{broken / 'last.pt'} is not a readable checkpoint" in line
+    assert "nothing to resume" in refused(["train", "capsnet", "--resume", "--out", str(tmp_path / "none"),
+                                           *SMALL_CAPSNET], capsys)
+
+
+def test_cli_train_stop_resume_then_eval(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["train", "capsnet", "--epochs", "1", "--limit-train", "32", "--limit-test", "32", "--batch-size", "16",
-                 "--routing-iterations", "1", "--out", str(out), "--device", "cpu", "--no-progress"]) == 0
+    argv = ["train", "capsnet", "--epochs", "1", "--out", str(out), "--max-minutes", "0.0001", *SMALL_CAPSNET]
+    assert main(argv) == 0                                          # a budget of 6 ms: the run stops early
+    said = capsys.readouterr().out.strip().splitlines()
+    step = load_checkpoint(out / "last.pt")["step"]
+    assert said[0] == f"stopped at step {step} of 2; continue with `capsule-book {' '.join(argv)} --resume`"
+    assert main(["train", "capsnet", "--epochs", "1", "--out", str(out), "--resume", *SMALL_CAPSNET]) == 0
     trained = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert main(["eval", "capsnet", "--checkpoint", str(out / "last.pt"), "--limit-test", "32"]) == 0
+    assert main(["eval", "capsnet", "--checkpoint", str(out / "last.pt"), "--limit-test", "32", "--sample"]) == 0
     evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert evaluated["test_accuracy"] == trained["test_accuracy"] and evaluated["epochs"] == 1
+    assert evaluated["accuracy"] == trained["eval_accuracy"] and evaluated["step"] == 2
+
+
+def test_capsnet_refuses_integer_images():
+    with pytest.raises(TypeError, match=r"float images in \[0, 1\].*images.float\(\) / 255"):
+        CapsNet(1).eval()(torch.zeros(2, 1, 28, 28, dtype=torch.uint8))
+
+
+def test_help_does_not_import_torch():
+    probe = ("import sys, contextlib, io\nfrom capsule_book import cli\n"
+             "with contextlib.redirect_stdout(io.StringIO()):\n"
+             "    try: cli.main(['train', 'capsnet', '--help'])\n"
+             "    except SystemExit: pass\nprint('torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "False", r.stderr
+
+
+def imports_of(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module: names.add(node.module)
+        elif isinstance(node, ast.Import): names.update(a.name for a in node.names)
+    return {n.split(".")[1] for n in names if n.startswith("capsule_book.")} | \
+           {n for n in names if n in {"cli", "capsnet", "ccae", "mog"}}
+
+
+def test_the_command_line_is_on_top_and_the_engine_knows_no_model():
+    for module in PACKAGE.glob("*.py"):
+        if module.stem != "cli":
+            assert "cli" not in imports_of(module), f"{module.name} imports the command line"
+    assert not imports_of(PACKAGE / "train.py") & {"capsnet", "ccae", "mog", "set_transformer", "weights"}
 
 
 WORKER = """
 import os, sys, torch
-from capsule_book.train import TrainConfig, train_capsnet
+from capsule_book.capsnet import TrainConfig, train_capsnet
 cfg = TrainConfig(epochs=1, out=sys.argv[1], limit_train=32, limit_test=32, batch_size=16, routing_iterations=1,
-                  eval_batch_size=32, progress=False, device="cpu")
+                  eval_batch_size=32, progress=False, device="cpu", sample=True, log_every=1)
 result = train_capsnet(cfg)
 torch.save(result.model.state_dict(), os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.pt"))
 """
@@ -104,8 +211,8 @@ def test_two_cpu_processes_with_gloo_end_identical(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     w0, w1 = (torch.load(tmp_path / f"rank{k}.pt") for k in (0, 1))
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
-    ck = torch.load(tmp_path / "last.pt", weights_only=False)
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 1 and json.loads(lines[0])["world_size"] == 2     # only rank 0 writes
-    assert json.loads(lines[0])["test_n"] == 32                               # the test shards partition the set
+    ck = load_checkpoint(tmp_path / "last.pt")
+    rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]                                   # 32 digits / (2 × 16): one step
+    assert rows[0]["eval_n"] == 32 and ck["config"]["world_size"] == 2        # the test shards partition the set
     assert all(torch.equal(ck["model"][k], w0[k]) for k in w0)                # rank 0 saved the final weights

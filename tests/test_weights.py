@@ -1,0 +1,102 @@
+"""Shipped weights: every manifest entry matches its file and loads as a working model; the download path checks
+the sha256 (tested with a local stand-in for the repository, never the network)."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from capsule_book import weights
+from capsule_book.capsnet import TrainConfig, train_capsnet
+from capsule_book.train import CheckpointError, UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+MANIFEST = json.loads((ROOT / "weights" / "manifest.json").read_text())["models"]
+
+
+def test_the_package_finds_the_checkouts_weights():
+    assert weights.checkout_weights() == ROOT / "weights"
+
+
+@pytest.mark.parametrize("name", sorted(MANIFEST))
+def test_each_shipped_file_matches_its_entry(name):
+    e = MANIFEST[name]
+    path = ROOT / "weights" / e["file"]
+    assert path.stat().st_size == e["bytes"] and weights.sha256(path) == e["sha256"]
+    assert e["command"].startswith("capsule-book train ") and e["model"] in weights.BUILDERS
+    model = weights.load(name)
+    assert not model.training and all(p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(n for n, e in MANIFEST.items() if e["model"] == "capsnet"))
+def test_shipped_capsnets_classify_the_sample(name):
+    from capsule_book.capsnet import evaluate
+    from capsule_book.data import MNISTBatches, load_mnist
+    x, y = load_mnist(False, sample=True)                         # the first 1,000 MNIST test digits
+    res = evaluate(weights.load(name), MNISTBatches(x, y, 250))
+    assert res["accuracy"] >= 0.98, res                           # the full test set's figure is in the manifest
+
+
+@pytest.mark.parametrize("name", sorted(n for n, e in MANIFEST.items() if e["model"] == "mog"))
+def test_shipped_mog_models_score_their_benchmark(name):
+    from capsule_book.mog import evaluate_mog, mog_benchmark
+    e = MANIFEST[name]
+    sets, _ = mog_benchmark(10, n_min=e["eval"]["n_min"], n_max=e["eval"]["n_max"])   # 10 of its 100 batches
+    assert abs(evaluate_mog(weights.load(name), sets) - e["metric"]["ll"]) < 0.1
+
+
+@pytest.fixture
+def shipped(tmp_path):
+    run = train_capsnet(TrainConfig(steps=1, batch_size=8, limit_train=8, limit_test=8, routing_iterations=1,
+                                    sample=True, progress=False, device="cpu", out=str(tmp_path / "run")))
+    weights.ship(tmp_path / "run" / "last.pt", "tiny", "capsule-book train capsnet --steps 1", {"accuracy": 0.1},
+                 dtype="float16", folder=tmp_path / "repo")
+    return tmp_path, run.model
+
+
+def test_ship_then_load_gives_the_same_function(shipped):
+    tmp, model = shipped
+    back = weights.load("tiny", folder=tmp / "repo")
+    x = torch.rand(2, 1, 28, 28)
+    with torch.no_grad():
+        a, b = model.eval()(x).caps, back(x).caps
+    torch.testing.assert_close(b, a, rtol=0, atol=1e-2 * a.abs().max().item())     # float16: 3 significant digits
+    e = weights.entry("tiny", folder=tmp / "repo")
+    assert e["steps"] == 1 and e["config"]["routing_iterations"] == 1 and e["dtype"] == "float16"
+
+
+def test_download_path_checks_the_sha256(shipped, monkeypatch):
+    tmp, _ = shipped
+    served = []
+
+    def fake_urlopen(url, timeout=None):                          # the repository's raw files, served from disk
+        served.append(url)
+        return open(tmp / "repo" / url.rsplit("/", 1)[-1], "rb")
+
+    monkeypatch.setattr(weights, "checkout_weights", lambda: None)
+    monkeypatch.setattr(weights.urllib.request, "urlopen", fake_urlopen)
+    monkeypatch.setenv("CAPSULE_BOOK_DATA", str(tmp / "cache"))
+    model = weights.load("tiny")
+    assert not model.training and served[-1].endswith(f"/v{weights.__version__}/weights/tiny.pt")
+    n = len(served)
+    weights.load("tiny")
+    assert len(served) == n                                       # downloaded once, then read from the cache
+    cached = weights.cache_weights() / "tiny.pt"
+    data = bytearray(cached.read_bytes())
+    data[len(data) // 2] ^= 0xFF                                  # one byte of a download changed
+    cached.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="is not the shipped model"):
+        weights.load("tiny")
+    cached.unlink()
+    with pytest.raises(UserError, match="missing"):
+        weights.load("tiny", download=False)
+
+
+def test_unknown_names_and_missing_files_are_refused(shipped):
+    tmp, _ = shipped
+    with pytest.raises(UserError, match="no shipped model 'nope'; shipped: tiny"):
+        weights.load("nope", folder=tmp / "repo")
+    (tmp / "repo" / "tiny.pt").unlink()
+    with pytest.raises(UserError, match="retrain with: capsule-book train capsnet --steps 1"):
+        weights.load("tiny", folder=tmp / "repo")

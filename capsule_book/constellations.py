@@ -13,25 +13,30 @@ from torch import Tensor
 __all__ = ['PATTERNS', 'similarity_transform', 'Constellations', 'make_constellations', 'object_points', 'plot_constellations']
 
 # %% ../nbs/06_constellations.ipynb #30959925
-PATTERNS: dict[str, Tensor] = {  # name -> corners [n_corners, 2], as in the official constellation.py
+# name -> corners [n_corners, 2], as in the official constellation.py
+PATTERNS: dict[str, Tensor] = {
     "square": torch.tensor([[3.0, 3.0], [1.0, 1.0], [3.0, 1.0], [1.0, 3.0]], dtype=torch.float64),
     "triangle": torch.tensor([[1.0, 2.0], [3.0, 1.0], [3.0, 3.0]], dtype=torch.float64),
-    "pentagon": torch.tensor([[1.0, 1.0], [2.0, -1.0], [3.0, 0.0], [3.0, 2.0], [2.0, 3.0]], dtype=torch.float64),
-    "L": torch.tensor([[1.0, 1.0], [2.0, 1.0], [3.0, 1.0], [3.0, 2.0], [3.0, 3.0]], dtype=torch.float64),
+    "pentagon": torch.tensor([[1.0, 1.0], [2.0, -1.0], [3.0, 0.0], [3.0, 2.0], [2.0, 3.0]],
+                             dtype=torch.float64),
+    "L": torch.tensor([[1.0, 1.0], [2.0, 1.0], [3.0, 1.0], [3.0, 2.0], [3.0, 3.0]],
+                      dtype=torch.float64),
 }
 
 # %% ../nbs/06_constellations.ipynb #179746f4
 def similarity_transform(p: Tensor, theta: Tensor, s: Tensor, t: Tensor) -> Tensor:
-    "Eq. (6.1): x = s R(θ) p + t/s for template corners p [N,2] and per-example θ [B], s [B], t [B,2]; returns [B,N,2]."
-    p = p.to(theta)                                                                     # [N, 2], θ's dtype and device
+    """Eq. (6.1): x = s R(θ) p + t/s for template corners p [N,2]
+    and per-example θ [B], s [B], t [B,2]; returns [B,N,2]."""
+    p = p.to(theta)                                               # [N, 2], θ's dtype and device
     cos, sin = torch.cos(theta), torch.sin(theta)
     R = torch.stack([torch.stack([cos, -sin], -1), torch.stack([sin, cos], -1)], -2)  # [B, 2, 2]
-    sRp = s[:, None, None] * torch.einsum("bij,nj->bni", R, p)                         # [B, N, 2]
-    return sRp + (t / s[:, None])[:, None, :]                                           # [B, N, 2]
+    sRp = s[:, None, None] * torch.einsum("bij,nj->bni", R, p)    # [B, N, 2]
+    return sRp + (t / s[:, None])[:, None, :]                     # [B, N, 2]
 
 # %% ../nbs/06_constellations.ipynb #bca955d0
 class Constellations(NamedTuple):
-    "A batch of constellations: points [B,M,2] in [-1,1], presence [B,M] (bool, True = present), pattern_id [B,M]."
+    """A batch of constellations: points [B,M,2] in [-1,1], presence [B,M] (bool, True = present),
+    pattern_id [B,M]."""
     points: Tensor
     presence: Tensor
     pattern_id: Tensor
@@ -49,48 +54,54 @@ def make_constellations(
     shuffle: bool = True,
     device: Optional[Union[str, torch.device]] = None,
 ) -> Constellations:
-    "A batch of `batch_size` constellations as the official SCAE generator makes them; reproducible for a given `generator`."
+    """A batch of `batch_size` constellations as the official SCAE generator makes them;
+    reproducible for a given `generator`."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     unknown = [p for p in patterns if p not in PATTERNS]
     if unknown or len(patterns) == 0:
-        raise ValueError(f"patterns must be a non-empty sequence of {sorted(PATTERNS)}, got {tuple(patterns)!r}")
+        raise ValueError(f"patterns must be a non-empty sequence of {sorted(PATTERNS)}, "
+                         f"got {tuple(patterns)!r}")
     if not 0.0 <= drop_prob <= 1.0:
         raise ValueError(f"drop_prob must lie in [0, 1], got {drop_prob}")
     B, f64, g = batch_size, torch.float64, generator
     corners, present, ids = [], [], []
     for k, name in enumerate(patterns):
-        p = PATTERNS[name]                                                          # [N_k, 2]
-        theta = (torch.rand(B, generator=g, dtype=f64) - 0.5) * 2 * math.pi * rotation_percent  # [B]
-        s = 1.0 + torch.rand(B, generator=g, dtype=f64) * max_scale                # [B]
-        t = torch.rand(B, 2, generator=g, dtype=f64) * 24.0 * max_translation       # [B, 2]
-        corners.append(similarity_transform(p, theta, s, t))                        # [B, N_k, 2]
-        keep = torch.rand(B, generator=g, dtype=f64) < 1.0 - drop_prob             # [B], one draw per object
-        present.append(keep[:, None].expand(B, len(p)))                             # [B, N_k]
+        p = PATTERNS[name]                                                   # [N_k, 2]
+        # θ [B], s [B], t [B, 2]: object k's similarity transform in every example
+        theta = (torch.rand(B, generator=g, dtype=f64) - 0.5) * 2 * math.pi * rotation_percent
+        s = 1.0 + torch.rand(B, generator=g, dtype=f64) * max_scale
+        t = torch.rand(B, 2, generator=g, dtype=f64) * 24.0 * max_translation
+        corners.append(similarity_transform(p, theta, s, t))                 # [B, N_k, 2]
+        keep = torch.rand(B, generator=g, dtype=f64) < 1.0 - drop_prob      # [B], one per object
+        present.append(keep[:, None].expand(B, len(p)))                      # [B, N_k]
         ids.append(torch.full((len(p),), k, dtype=torch.long))
-    points = torch.cat(corners, 1)                                                  # [B, M, 2]
-    presence = torch.cat(present, 1)                                                # [B, M]
-    pattern_id = torch.cat(ids).expand(B, -1)                                       # [B, M]
+    points = torch.cat(corners, 1)                                           # [B, M, 2]
+    presence = torch.cat(present, 1)                                         # [B, M]
+    pattern_id = torch.cat(ids).expand(B, -1)                                # [B, M]
     if shuffle:
-        perm = torch.argsort(torch.rand(points.shape[:2], generator=g), dim=1)     # [B, M], one permutation each
+        # [B, M], one permutation per example
+        perm = torch.argsort(torch.rand(points.shape[:2], generator=g), dim=1)
         points = points.gather(1, perm[..., None].expand_as(points))
         presence, pattern_id = presence.gather(1, perm), pattern_id.gather(1, perm)
     if gaussian_noise > 0:
         points = points + gaussian_noise * torch.randn(points.shape, generator=g, dtype=f64)
-    lo, hi = points.min(), points.max()                                             # over the whole batch
+    lo, hi = points.min(), points.max()                                      # over the whole batch
     points = (points - lo) / (hi - lo + 1e-8) * 2 - 1
     out = Constellations(points.float(), presence.clone(), pattern_id.clone())
     return Constellations(*(v.to(device) for v in out)) if device is not None else out
 
 # %% ../nbs/06_constellations.ipynb #26281221
 def object_points(batch: Constellations, k: int) -> Tensor:
-    "The points [B, n_k, 2] of object `k` of every example (present or not), in their shuffled order."
-    order = torch.argsort(batch.pattern_id, dim=1, stable=True)                      # [B, M], objects in turn
+    """The points [B, n_k, 2] of object `k` of every example (present or not),
+    in their shuffled order."""
+    order = torch.argsort(batch.pattern_id, dim=1, stable=True)     # [B, M], objects in turn
     ids = batch.pattern_id.gather(1, order)
     n_k = int((batch.pattern_id[0] == k).sum())
     start = int((batch.pattern_id[0] < k).sum())
     assert (ids[:, start:start + n_k] == k).all()
-    return batch.points.gather(1, order[:, start:start + n_k, None].expand(-1, -1, 2))  # [B, n_k, 2]
+    index = order[:, start:start + n_k, None].expand(-1, -1, 2)     # [B, n_k, 2]
+    return batch.points.gather(1, index)
 
 def _sorted_distances(x: Tensor) -> Tensor:
     i, j = torch.triu_indices(x.shape[-2], x.shape[-2], 1)
@@ -99,7 +110,8 @@ def _sorted_distances(x: Tensor) -> Tensor:
 # %% ../nbs/06_constellations.ipynb #57b27ddc
 def plot_constellations(batch: Constellations, n_examples: int = 8, ncols: int = 4,
                         labels: Optional[Tensor] = None, title: str = "object"):
-    "Scatter the first `n_examples` examples, coloured by `labels` [B,M] (default `pattern_id`); returns the Figure."
+    """Scatter the first `n_examples` examples, coloured by `labels` [B,M] (default `pattern_id`);
+    returns the Figure."""
     import matplotlib.pyplot as plt
     labels = batch.pattern_id if labels is None else labels
     n = min(n_examples, batch.points.shape[0])
@@ -115,8 +127,10 @@ def plot_constellations(batch: Constellations, n_examples: int = 8, ncols: int =
         for k in lab.unique().tolist():
             on, off = pres & (lab == k), ~pres & (lab == k)
             ax.scatter(pts[on, 0], pts[on, 1], s=30, color=colours(k % 10), label=f"{title} {k}")
-            ax.scatter(pts[off, 0], pts[off, 1], s=30, facecolors="none", edgecolors=colours(k % 10), alpha=0.3)
+            ax.scatter(pts[off, 0], pts[off, 1], s=30, facecolors="none",
+                       edgecolors=colours(k % 10), alpha=0.3)
         ax.set_title(f"example {i}: {int(pres.sum())} of {len(pres)} present", fontsize=8)
-    fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="lower center", ncol=6, fontsize=8, frameon=False)
+    fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="lower center", ncol=6, fontsize=8,
+               frameon=False)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig

@@ -12,26 +12,31 @@ __all__ = ['MarginLoss', 'plot_margin_loss', 'reconstruction_loss']
 
 # %% ../nbs/03_losses.ipynb #4ee44443
 class MarginLoss(nn.Module):
-    "Eq. (4), summed over classes and averaged over the batch: v [batch, n_labels, d], labels [batch] (long) -> scalar."
-    def __init__(self, n_labels: int, lambda_: float = 0.5, m_positive: float = 0.9, m_negative: float = 0.1):
+    """Eq. (4), summed over classes and averaged over the batch:
+    v [batch, n_labels, d], labels [batch] (long) -> scalar."""
+    def __init__(self, n_labels: int, lambda_: float = 0.5, m_positive: float = 0.9,
+                 m_negative: float = 0.1):
         super().__init__()
         self.n_labels, self.lambda_ = n_labels, lambda_
         self.m_positive, self.m_negative = m_positive, m_negative
 
     def forward(self, v: Tensor, labels: Tensor) -> Tensor:
         if v.dim() != 3 or v.shape[1] != self.n_labels:
-            raise ValueError(f"MarginLoss expected v of shape [batch, {self.n_labels}, d], got {list(v.shape)}")
+            raise ValueError(f"MarginLoss expected v of shape [batch, {self.n_labels}, d], "
+                             f"got {list(v.shape)}")
         if labels.shape != v.shape[:1]:
-            raise ValueError(f"MarginLoss expected labels of shape [{v.shape[0]}], got {list(labels.shape)}")
+            raise ValueError(f"MarginLoss expected labels of shape [{v.shape[0]}], "
+                             f"got {list(labels.shape)}")
         if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
             raise ValueError(f"MarginLoss expected integer class labels, got dtype {labels.dtype}")
         if labels.numel() and (labels.min() < 0 or labels.max() >= self.n_labels):
             raise ValueError(f"MarginLoss expected labels in [0, {self.n_labels}), "
                              f"got values from {labels.min().item()} to {labels.max().item()}")
-        v_norm = torch.linalg.vector_norm(v, dim=-1)                        # ‖v_k‖, [batch, n_labels]
-        T = F.one_hot(labels, self.n_labels).to(v.dtype)                    # T_k, [batch, n_labels]
-        L = (T * F.relu(self.m_positive - v_norm) ** 2                      # present: max(0, m⁺ − ‖v_k‖)²
-             + self.lambda_ * (1 - T) * F.relu(v_norm - self.m_negative) ** 2)  # absent: λ max(0, ‖v_k‖ − m⁻)²
+        v_norm = torch.linalg.vector_norm(v, dim=-1)              # ‖v_k‖, [batch, n_labels]
+        T = F.one_hot(labels, self.n_labels).to(v.dtype)          # T_k, [batch, n_labels]
+        # present: max(0, m⁺ − ‖v_k‖)²;  absent: λ max(0, ‖v_k‖ − m⁻)²
+        L = (T * F.relu(self.m_positive - v_norm) ** 2
+             + self.lambda_ * (1 - T) * F.relu(v_norm - self.m_negative) ** 2)
         return L.sum(dim=-1).mean()
 
     def extra_repr(self) -> str:
@@ -40,27 +45,32 @@ class MarginLoss(nn.Module):
 
 # %% ../nbs/03_losses.ipynb #5a0d53c1
 def plot_margin_loss(lambda_: float = 0.5, m_positive: float = 0.9, m_negative: float = 0.1,
-                     show_seed: bool = True, n_points: int = 401):
-    "Plot Eq. (4) for one capsule and its derivative against ‖v‖ ∈ [0, 1], for T=1 and T=0; returns the Figure."
+                     show_hinge: bool = True, n_points: int = 401):
+    """Plot Eq. (4) for one capsule and its derivative against ‖v‖ ∈ [0, 1], for T=1 and T=0
+    (with `show_hinge`, also labml's unsquared hinge); returns the Figure."""
     import matplotlib.pyplot as plt
-    length = torch.linspace(1e-3, 1, n_points, dtype=torch.float64, requires_grad=True)  # ‖v‖ > 0: one-sided slopes
+    # ‖v‖ > 0: one-sided slopes at 0
+    length = torch.linspace(1e-3, 1, n_points, dtype=torch.float64, requires_grad=True)
     v = torch.stack([length, torch.zeros_like(length)], dim=-1)[:, None, :]       # [n_points, 1, 2]
     loss_fn = MarginLoss(2, lambda_, m_positive, m_negative)
     fig, (ax_l, ax_g) = plt.subplots(1, 2, figsize=(10, 3.6))
     for T, colour in ((1, "C0"), (0, "C3")):
-        # class 0 present (T=1) or class 1 present (T=0); the second capsule is silent and costs nothing
+        # class 0 present (T=1) or class 1 present (T=0); the second capsule costs nothing:
+        # silent when absent, of length 0.95 when present
         labels = torch.full((n_points,), 0 if T else 1)
-        vv = torch.cat([v, torch.zeros_like(v)], dim=1) if T else torch.cat([v, 0.95 * torch.ones_like(v) / 2**0.5], dim=1)
+        other = torch.zeros_like(v) if T else 0.95 * torch.ones_like(v) / 2**0.5
+        vv = torch.cat([v, other], dim=1)                                     # [n_points, 2, 2]
         per_point = torch.stack([loss_fn(vv[k:k + 1], labels[k:k + 1]) for k in range(n_points)])
         grad, = torch.autograd.grad(per_point.sum(), length)
         x = length.detach()
         ax_l.plot(x, per_point.detach(), color=colour, label=f"Eq. (4), T = {T}")
         ax_g.plot(x, grad, color=colour, label=f"Eq. (4), T = {T}")
-        if show_seed:
-            seed = torch.relu(m_positive - x) if T else lambda_ * torch.relu(x - m_negative)
-            seed_grad = -(x < m_positive).double() if T else lambda_ * (x > m_negative).double()
-            ax_l.plot(x, seed, "--", color=colour, lw=1, label=f"seed (not squared), T = {T}")
-            ax_g.plot(x, seed_grad, "--", color=colour, lw=1, label=f"seed (not squared), T = {T}")
+        if show_hinge:
+            hinge = torch.relu(m_positive - x) if T else lambda_ * torch.relu(x - m_negative)
+            hinge_grad = -(x < m_positive).double() if T else lambda_ * (x > m_negative).double()
+            label = f"labml's hinge (not squared), T = {T}"
+            ax_l.plot(x, hinge, "--", color=colour, lw=1, label=label)
+            ax_g.plot(x, hinge_grad, "--", color=colour, lw=1, label=label)
     for ax in (ax_l, ax_g):
         ax.axvline(m_positive, color="grey", ls=":", lw=0.8)
         ax.axvline(m_negative, color="grey", ls=":", lw=0.8)
@@ -73,12 +83,15 @@ def plot_margin_loss(lambda_: float = 0.5, m_positive: float = 0.9, m_negative: 
 
 # %% ../nbs/03_losses.ipynb #0b75f557
 def reconstruction_loss(reconstructions: Tensor, images: Tensor) -> Tensor:
-    "Σ over pixels of (reconstruction − image)², averaged over the batch; any shapes with the same batch and pixels per image (e.g. [B, 784] and [B, 1, 28, 28])."
-    if reconstructions.dim() == 0 or images.dim() == 0 or reconstructions.shape[0] != images.shape[0] \
-            or reconstructions[0].numel() != images[0].numel():
-        raise ValueError(f"reconstruction_loss expected reconstructions and images with the same batch size and "
-                         f"the same number of pixels per image, got {list(reconstructions.shape)} and "
-                         f"{list(images.shape)}")
+    """Σ over pixels of (reconstruction − image)², averaged over the batch; any shapes with the same
+    batch and pixels per image (e.g. [B, 784] and [B, 1, 28, 28])."""
+    if (reconstructions.dim() == 0 or images.dim() == 0
+            or reconstructions.shape[0] != images.shape[0]
+            or reconstructions[0].numel() != images[0].numel()):
+        raise ValueError(f"reconstruction_loss expected reconstructions and images with the same "
+                         f"batch size and the same number of pixels per image, "
+                         f"got {list(reconstructions.shape)} and {list(images.shape)}")
     B = images.shape[0]
-    diff = reconstructions.reshape(B, -1) - images.reshape(B, -1).to(reconstructions.dtype)  # [batch, pixels]
+    # [batch, pixels]
+    diff = reconstructions.reshape(B, -1) - images.reshape(B, -1).to(reconstructions.dtype)
     return (diff ** 2).sum(dim=-1).mean()

@@ -13,78 +13,91 @@ __all__ = ['predictions', 'coupling', 'total_input', 'agreement', 'route', 'Rout
 
 # %% ../nbs/02_routing.ipynb #84a388a3
 def predictions(u: Tensor, W: Tensor) -> Tensor:
-    "û_{j|i} = W_ij u_i: u [batch, in_caps, in_d], W [in_caps, out_caps, in_d, out_d] -> û [batch, in_caps, out_caps, out_d]."
+    """û_{j|i} = W_ij u_i: u [batch, in_caps, in_d], W [in_caps, out_caps, in_d, out_d]
+    -> û [batch, in_caps, out_caps, out_d]."""
     return torch.einsum("bin,ijnm->bijm", u, W)
 
 # %% ../nbs/02_routing.ipynb #3b43b139
 def coupling(b: Tensor) -> Tensor:
-    "Eq. (3): c_ij = softmax_j(b_ij), normalised over the output capsules j; b, c [batch, in_caps, out_caps]."
+    """Eq. (3): c_ij = softmax_j(b_ij), normalised over the output capsules j;
+    b, c [batch, in_caps, out_caps]."""
     return torch.softmax(b, dim=-1)
 
 # %% ../nbs/02_routing.ipynb #f5931a9d
 def total_input(c: Tensor, u_hat: Tensor) -> Tensor:
-    "Eq. (2): s_j = Σ_i c_ij û_{j|i}; c [batch, in_caps, out_caps], û [batch, in_caps, out_caps, out_d] -> s [batch, out_caps, out_d]."
+    """Eq. (2): s_j = Σ_i c_ij û_{j|i}; c [batch, in_caps, out_caps],
+    û [batch, in_caps, out_caps, out_d] -> s [batch, out_caps, out_d]."""
     return torch.einsum("bij,bijm->bjm", c, u_hat)
 
 # %% ../nbs/02_routing.ipynb #dc484005
 def agreement(v: Tensor, u_hat: Tensor) -> Tensor:
-    "a_ij = v_j · û_{j|i}; v [batch, out_caps, out_d], û [batch, in_caps, out_caps, out_d] -> a [batch, in_caps, out_caps]."
+    """a_ij = v_j · û_{j|i}; v [batch, out_caps, out_d], û [batch, in_caps, out_caps, out_d]
+    -> a [batch, in_caps, out_caps]."""
     return torch.einsum("bjm,bijm->bij", v, u_hat)
 
 # %% ../nbs/02_routing.ipynb #9a865029
-def route(u_hat: Tensor, iterations: int = 3, detach_intermediate: bool = True) -> tuple[Tensor, Tensor]:
-    "Procedure 1 on predictions û [batch, in_caps, out_caps, out_d] -> (v [batch, out_caps, out_d], c [batch, in_caps, out_caps])."
+def route(u_hat: Tensor, iterations: int = 3,
+          detach_intermediate: bool = True) -> tuple[Tensor, Tensor]:
+    """Procedure 1 on predictions û [batch, in_caps, out_caps, out_d]
+    -> (v [batch, out_caps, out_d], c [batch, in_caps, out_caps])."""
     if iterations < 1:
         raise ValueError(f"routing needs at least 1 iteration, got {iterations}")
     u_hat_fixed = u_hat.detach() if detach_intermediate else u_hat  # û seen by iterations 1..r-1
-    b = u_hat.new_zeros(u_hat.shape[:3])                             # b_ij = 0, [batch, in_caps, out_caps]
+    b = u_hat.new_zeros(u_hat.shape[:3])                  # b_ij = 0, [batch, in_caps, out_caps]
     for r in range(iterations):
         last = r == iterations - 1
-        c = coupling(b)                                              # Eq. (3)
-        s = total_input(c, u_hat if last else u_hat_fixed)          # Eq. (2)
-        v = squash(s)                                                # Eq. (1)
-        if not last:                                                 # (after the last one it cannot change v)
-            b = b + agreement(v, u_hat_fixed)                        # b_ij += v_j · û_{j|i}
+        c = coupling(b)                                   # Eq. (3)
+        s = total_input(c, u_hat if last else u_hat_fixed)  # Eq. (2)
+        v = squash(s)                                     # Eq. (1)
+        if not last:                                      # (after the last one it cannot change v)
+            b = b + agreement(v, u_hat_fixed)             # b_ij += v_j · û_{j|i}
     return v, c
 
 # %% ../nbs/02_routing.ipynb #99ed6561
 def _weight_per_output(W: Tensor) -> Tensor:
-    "W [in_caps, out_caps, in_d, out_d] -> W_j [out_caps, in_caps·in_d, out_d] (a copy laid out for one matmul per j)."
+    """W [in_caps, out_caps, in_d, out_d] -> W_j [out_caps, in_caps·in_d, out_d]
+    (a copy laid out for one matmul per j)."""
     I, J, n, m = W.shape
     return W.permute(1, 0, 2, 3).reshape(J, I * n, m)
 
 class _TotalInputFused(torch.autograd.Function):
-    "Eq. (2) with Eq. (2a) inside, s_j = Σ_{i,n} (c_ij u_in) W_ij[n], for constant c; writes c_ij u_i into `buf`."
+    """Eq. (2) with Eq. (2a) inside, s_j = Σ_{i,n} (c_ij u_in) W_ij[n], for constant c;
+    writes c_ij u_i into `buf`."""
     @staticmethod
     def forward(ctx, c_J: Tensor, u: Tensor, W_j: Tensor, buf: Tensor) -> Tensor:
-        J, B, I = c_J.shape                                       # c_J [J, B, I] (c transposed), u [B, I, n]
-        cu = torch.mul(c_J.unsqueeze(-1), u, out=buf.view(J, B, I, -1)).view(J, B, -1)  # c_ij u_i: [J, B, I·n]
+        J, B, I = c_J.shape                          # c_J [J, B, I] (c transposed), u [B, I, n]
+        # c_ij u_i: [J, B, I·n], written into buf
+        cu = torch.mul(c_J.unsqueeze(-1), u, out=buf.view(J, B, I, -1)).view(J, B, -1)
         ctx.save_for_backward(c_J, W_j, cu)
-        return torch.bmm(cu, W_j)                                 # s: [J, B, I·n] @ [J, I·n, m] -> [J, B, m]
+        return torch.bmm(cu, W_j)                    # s: [J, B, I·n] @ [J, I·n, m] -> [J, B, m]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_s: Tensor):
         c_J, W_j, cu = ctx.saved_tensors
         J, B, I = c_J.shape
-        grad_s = grad_s.to(cu.dtype)                              # under autocast s was computed in lower precision
-        grad_W = torch.bmm(cu.transpose(1, 2), grad_s) if ctx.needs_input_grad[2] else None     # [J, I·n, m]
+        grad_s = grad_s.to(cu.dtype)                 # autocast may have lowered s's precision
+        # ∂/∂W_j: [J, I·n, m]
+        grad_W = torch.bmm(cu.transpose(1, 2), grad_s) if ctx.needs_input_grad[2] else None
         grad_u = None
         if ctx.needs_input_grad[1]:
-            grad_cu = torch.bmm(grad_s, W_j.transpose(1, 2)).view(J, B, I, -1)  # ∂/∂(c_ij u_i): [J, B, I, n]
-            grad_u = grad_cu.mul_(c_J.unsqueeze(-1)).sum(0)                     # Σ_j c_ij ∂/∂(c_ij u_i): [B, I, n]
+            # ∂/∂(c_ij u_i): [J, B, I, n]
+            grad_cu = torch.bmm(grad_s, W_j.transpose(1, 2)).view(J, B, I, -1)
+            grad_u = grad_cu.mul_(c_J.unsqueeze(-1)).sum(0)  # Σ_j c_ij ∂/∂(c_ij u_i): [B, I, n]
         return None, grad_u, grad_W, None
 
 def _agreement_fused(v: Tensor, u: Tensor, W_j: Tensor, buf: Tensor) -> Tensor:
-    "a_ij = u_i · (W_ij v_j), without gradient; v [B, J, m], u [B, I, n], W_j [J, I·n, m] -> a [J, B, I]; overwrites `buf`."
+    """a_ij = u_i · (W_ij v_j), without gradient; v [B, J, m], u [B, I, n], W_j [J, I·n, m]
+    -> a [J, B, I]; overwrites `buf`."""
     B, I, n = u.shape
-    v = v.transpose(0, 1).to(buf.dtype)                               # [J, B, m] (autocast may have lowered v)
-    Wv = torch.bmm(v, W_j.transpose(1, 2), out=buf)                   # W_ij v_j: [J, B, I·n]
-    return Wv.view(-1, B, I, n).mul_(u).sum(-1)                       # Σ_n u_in (W_ij v_j)_n: [J, B, I]
+    v = v.transpose(0, 1).to(buf.dtype)              # [J, B, m] (autocast may have lowered v)
+    Wv = torch.bmm(v, W_j.transpose(1, 2), out=buf)  # W_ij v_j: [J, B, I·n]
+    return Wv.view(-1, B, I, n).mul_(u).sum(-1)      # Σ_n u_in (W_ij v_j)_n: [J, B, I]
 
 # %% ../nbs/02_routing.ipynb #bf3c0cc7
 class Router(nn.Module):
-    "Routing by agreement (Procedure 1): u [batch, in_caps, in_d] -> v [batch, out_caps, out_d] (and c [batch, in_caps, out_caps])."
+    """Routing by agreement (Procedure 1): u [batch, in_caps, in_d] -> v [batch, out_caps, out_d]
+    (and c [batch, in_caps, out_caps])."""
     def __init__(self, in_caps: int, out_caps: int, in_d: int, out_d: int, iterations: int = 3,
                  detach_intermediate: bool = True):
         super().__init__()
@@ -92,11 +105,13 @@ class Router(nn.Module):
             raise ValueError(f"routing needs at least 1 iteration, got {iterations}")
         self.in_caps, self.out_caps, self.in_d, self.out_d = in_caps, out_caps, in_d, out_d
         self.iterations, self.detach_intermediate = iterations, detach_intermediate
-        self.weight = nn.Parameter(torch.empty(in_caps, out_caps, in_d, out_d))  # W_ij, [in_caps, out_caps, in_d, out_d]
+        # W_ij, [in_caps, out_caps, in_d, out_d]
+        self.weight = nn.Parameter(torch.empty(in_caps, out_caps, in_d, out_d))
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.01) -> None:
-        "W_ij ~ N(0, std²); small, so that the first agreements are small and the softmax starts near uniform."
+        """W_ij ~ N(0, std²); small, so that the first agreements are small
+        and the softmax starts near uniform."""
         nn.init.normal_(self.weight, std=std)
 
     def forward(self, u: Tensor, return_coupling: bool = False):
@@ -107,7 +122,8 @@ class Router(nn.Module):
             v, c_J = self._route_fused(u)
             if not return_coupling:
                 return v
-            c = c_J.permute(1, 2, 0).contiguous()                 # [out_caps, batch, in_caps] -> [batch, in_caps, out_caps]
+            # [out_caps, batch, in_caps] -> [batch, in_caps, out_caps]
+            c = c_J.permute(1, 2, 0).contiguous()
         else:
             v, c = route(predictions(u, self.weight), self.iterations, detach_intermediate=False)
         return (v, c) if return_coupling else v
@@ -115,41 +131,47 @@ class Router(nn.Module):
     def _route_fused(self, u: Tensor) -> tuple[Tensor, Tensor]:
         "Procedure 1 without materialising û; the gradient flows through the last iteration only."
         B, I, n = u.shape
-        W_j = _weight_per_output(self.weight)                      # [out_caps, in_caps·in_d, out_d]
-        buf = u.new_empty(self.out_caps, B, I * n)                 # one work buffer for c_ij u_i and W_ij v_j
-        b = u.new_zeros(self.out_caps, B, I)                       # b_ij = 0, laid out [out_caps, batch, in_caps]
-        with torch.no_grad():                                      # iterations 1..r-1: no gradient through û
+        W_j = _weight_per_output(self.weight)          # [out_caps, in_caps·in_d, out_d]
+        buf = u.new_empty(self.out_caps, B, I * n)     # one work buffer for c_ij u_i and W_ij v_j
+        b = u.new_zeros(self.out_caps, B, I)           # b_ij = 0, [out_caps, batch, in_caps]
+        with torch.no_grad():                          # iterations 1..r-1: no gradient through û
             u_, W_ = u.detach(), W_j.detach()
             for _ in range(self.iterations - 1):
-                c = torch.softmax(b, dim=0)                        # Eq. (3): over j, axis 0 in this layout
-                v = squash(_TotalInputFused.apply(c, u_, W_, buf).transpose(0, 1))  # Eqs. (2), (1): [B, J, m]
-                b = b + _agreement_fused(v, u_, W_, buf)           # b_ij += v_j · û_{j|i}
-        c = torch.softmax(b, dim=0)                                # the last iteration, with gradient
+                c = torch.softmax(b, dim=0)            # Eq. (3): over j, axis 0 in this layout
+                s = _TotalInputFused.apply(c, u_, W_, buf).transpose(0, 1)  # Eq. (2): [B, J, m]
+                v = squash(s)                          # Eq. (1)
+                b = b + _agreement_fused(v, u_, W_, buf)  # b_ij += v_j · û_{j|i}
+        c = torch.softmax(b, dim=0)                    # the last iteration, with gradient
         v = squash(_TotalInputFused.apply(c, u, W_j, buf).transpose(0, 1))
-        return v, c                                                # v [batch, out_caps, out_d], c [out_caps, batch, in_caps]
+        return v, c                     # v [batch, out_caps, out_d], c [out_caps, batch, in_caps]
 
     def extra_repr(self) -> str:
-        return (f"in_caps={self.in_caps}, out_caps={self.out_caps}, in_d={self.in_d}, out_d={self.out_d}, "
-                f"iterations={self.iterations}, detach_intermediate={self.detach_intermediate}")
+        return (f"in_caps={self.in_caps}, out_caps={self.out_caps}, in_d={self.in_d}, "
+                f"out_d={self.out_d}, iterations={self.iterations}, "
+                f"detach_intermediate={self.detach_intermediate}")
 
 # %% ../nbs/02_routing.ipynb #0d7e5712
-def coupling_history(u_hat: Tensor, iterations: int = 3, softmax_dim: int = -1) -> tuple[list[Tensor], list[Tensor]]:
-    "Run Procedure 1 on û [batch, in_caps, out_caps, out_d]; return the lists of c and v of every iteration (no grad)."
+def coupling_history(u_hat: Tensor, iterations: int = 3,
+                     softmax_dim: int = -1) -> tuple[list[Tensor], list[Tensor]]:
+    """Run Procedure 1 on û [batch, in_caps, out_caps, out_d]; return the lists of c and v
+    of every iteration (no grad)."""
     cs, vs = [], []
     with torch.no_grad():
         b = u_hat.new_zeros(u_hat.shape[:3])
         for _ in range(iterations):
-            c = torch.softmax(b, dim=softmax_dim)   # -1: Eq. (3); 1: the seeds' softmax over the inputs
+            c = torch.softmax(b, dim=softmax_dim)   # -1: Eq. (3); 1: labml's, over the inputs
             v = squash(total_input(c, u_hat))
             b = b + agreement(v, u_hat)
             cs.append(c), vs.append(v)
     return cs, vs
 
-def plot_coupling(cs: list[Tensor], vs: list[Tensor] | None = None, title: str = "", vmax: float | None = None):
-    "Heat maps of the coupling coefficients c [in_caps, out_caps] of one example, one panel per iteration; returns the Figure."
+def plot_coupling(cs: list[Tensor], vs: list[Tensor] | None = None, title: str = "",
+                  vmax: float | None = None):
+    """Heat maps of the coupling coefficients c [in_caps, out_caps] of one example,
+    one panel per iteration; returns the Figure."""
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(cs), figsize=(2.3 * len(cs) + 0.8, 3.9), squeeze=False, sharey=True,
-                             layout="constrained")
+    fig, axes = plt.subplots(1, len(cs), figsize=(2.3 * len(cs) + 0.8, 3.9), squeeze=False,
+                             sharey=True, layout="constrained")
     vmax = vmax if vmax is not None else max(float(c.max()) for c in cs)
     for r, (ax, c) in enumerate(zip(axes[0], cs)):
         im = ax.imshow(c.detach().cpu().numpy(), cmap="viridis", vmin=0, vmax=vmax, aspect="auto")

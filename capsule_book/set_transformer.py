@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 # %% auto #0
-__all__ = ['attention', 'Multihead', 'RFF', 'MAB', 'SAB', 'ISAB', 'PMA', 'SetTransformer', 'sample_mog', 'mog_log_prob',
-           'parse_mog', 'mog_nll', 'mog_benchmark', 'evaluate_mog', 'train_mog', 'plot_mog_fits']
+__all__ = ['attention', 'Multihead', 'RFF', 'MAB', 'SAB', 'ISAB', 'PMA', 'SetTransformer']
 
 # %% ../nbs/05_set_transformer.ipynb #c9d30770
 def attention(Q: Tensor, K: Tensor, V: Tensor, mask: Optional[Tensor] = None) -> Tensor:
@@ -75,16 +74,37 @@ class Multihead(nn.Module):
         self.W_V = nn.Linear(dim_kv, dim)
         self.W_O = nn.Linear(dim, dim)
         self.n_scores = 0                   # attention scores computed by the last forward
+        self.fused = True                   # False: the line-by-line Eqs. (1)-(3) below; True: the same, faster
 
     def heads(self, Q: Tensor, K: Tensor, V: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         "The per-head projections QW^Q_j, KW^K_j, VW^V_j, each [B, h, rows, dim/h]."
         split = lambda t: t.unflatten(-1, (self.h, self.dim // self.h)).transpose(1, 2)
         return split(self.W_Q(Q)), split(self.W_K(K)), split(self.W_V(V))
 
+    def fused_heads(self, Q: Tensor, K: Tensor, V: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        "`heads`, with one matrix product for the projections of one input (K = V; in a SAB, Q = K = V too)."
+        split = lambda t: t.unflatten(-1, (self.h, self.dim // self.h)).transpose(1, 2)
+        lin = (self.W_Q, self.W_K, self.W_V)
+        if Q is K and K is V: layers, inputs = [lin], [Q]
+        elif K is V: layers, inputs = [lin[:1], lin[1:]], [Q, K]
+        else: layers, inputs = [lin[:1], lin[1:2], lin[2:]], [Q, K, V]
+        out = []
+        for group, x in zip(layers, inputs):                           # [W_a W_b ...] stacked: one GEMM per input
+            y = F.linear(x, torch.cat([l.weight for l in group]), torch.cat([l.bias for l in group]))
+            out += [split(t) for t in y.chunk(len(group), -1)]
+        return tuple(out)
+
     def forward(self, Q: Tensor, K: Tensor, V: Tensor, mask: Optional[Tensor] = None) -> Tensor:
         "Q [B, n, dim_q], K and V [B, m, dim_kv], mask [B, m] → [B, n, dim]."
-        Qh, Kh, Vh = self.heads(Q, K, V)                              # [B, h, n|m, d/h]
-        O = attention(Qh, Kh, Vh, None if mask is None else mask[:, None, :])  # O_j, Eq. (3): [B, h, n, d/h]
+        m = None if mask is None else mask[:, None, :]                # [B, 1, m]: the same keys for every head
+        if self.fused:                                                 # one GEMM per input; the fused kernel
+            Qh, Kh, Vh = self.fused_heads(Q, K, V)                    # pays off from ~2^16 scores per head
+            big = Qh.shape[2] * Kh.shape[2] >= 1 << 16
+            O = (F.scaled_dot_product_attention(Qh, Kh, Vh, attn_mask=None if m is None else m[:, :, None, :])
+                 if big else attention(Qh, Kh, Vh, m))
+        else:
+            Qh, Kh, Vh = self.heads(Q, K, V)                          # [B, h, n|m, d/h]
+            O = attention(Qh, Kh, Vh, m)                               # O_j, Eq. (3): [B, h, n, d/h]
         self.n_scores = Qh.shape[0] * self.h * Qh.shape[2] * Kh.shape[2]
         return self.W_O(O.transpose(1, 2).flatten(-2))                # concat(O_1..O_h) W^O: [B, n, dim]
 
@@ -190,118 +210,3 @@ class SetTransformer(nn.Module):
         for block in self.encoder:
             Z = block(Z, mask)                                         # Encoder: [B, n, dim]
         return self.out(self.sab(self.pma(Z, mask)))                   # Eq. (13): [B, k, dim_out]
-
-# %% ../nbs/05_set_transformer.ipynb #55bcab46
-def sample_mog(batch: int, n: int, k: int = 4, dim: int = 2, sigma: float = 0.3, lo: float = -4.0, hi: float = 4.0,
-               generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
-    "Sets from mixtures of k Gaussians (Sec 5.3): X [B, n, dim], labels [B, n], true (π [B, k], μ [B, k, dim], σ [B, k, dim])."
-    e = -torch.rand(batch, k, generator=generator).clamp_min(1e-12).log()     # Exp(1)
-    pi = e / e.sum(-1, keepdim=True)                                           # π ~ Dirichlet(1, …, 1): [B, k]
-    mu = lo + (hi - lo) * torch.rand(batch, k, dim, generator=generator)       # μ_j ~ U(lo, hi)^dim: [B, k, dim]
-    sig = torch.full((batch, k, dim), sigma)                                   # σ: [B, k, dim]
-    labels = torch.multinomial(pi, n, replacement=True, generator=generator)   # z_i ~ Cat(π): [B, n]
-    idx = labels.unsqueeze(-1).expand(-1, -1, dim)
-    X = mu.gather(1, idx) + sig.gather(1, idx) * torch.randn(batch, n, dim, generator=generator)
-    return X, labels, (pi, mu, sig)
-
-def mog_log_prob(X: Tensor, pi: Tensor, mu: Tensor, sigma: Tensor) -> Tensor:
-    "log Σ_j π_j Π_c N(x_c; μ_jc, σ_jc²) for every point; X [B, n, D], π [B, k], μ and σ [B, k, D] → [B, n]."
-    x, m, s = X.unsqueeze(2), mu.unsqueeze(1), sigma.unsqueeze(1)              # [B, n, 1, D], [B, 1, k, D]
-    log_n = (-0.5 * math.log(2 * math.pi) - s.log() - 0.5 * ((x - m) / s) ** 2).sum(-1)   # log N: [B, n, k]
-    return torch.logsumexp(log_n + pi.clamp_min(1e-30).log().unsqueeze(1), dim=-1)        # [B, n]
-
-def parse_mog(raw: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    "Network output [B, k, 1+2D] → π = softmax(logits) [B, k], μ [B, k, D], σ = softplus [B, k, D]."
-    D = (raw.shape[-1] - 1) // 2
-    if raw.shape[-1] != 1 + 2 * D:
-        raise ValueError(f"a mixture output must have 1 + 2·D features per component, got {raw.shape[-1]}")
-    return raw[..., 0].softmax(-1), raw[..., 1:1 + D], F.softplus(raw[..., 1 + D:]) + 1e-6
-
-def mog_nll(raw: Tensor, X: Tensor, mask: Optional[Tensor] = None) -> Tensor:
-    "The loss: minus the log-likelihood per point of X [B, n, D] under parse_mog(raw), averaged over present points."
-    lp = mog_log_prob(X, *parse_mog(raw))                                      # [B, n]
-    return -lp.mean() if mask is None else -(lp * mask).sum() / mask.sum()
-
-# %% ../nbs/05_set_transformer.ipynb #7a4411dd
-def mog_benchmark(n_batches: int = 100, batch: int = 10, n_min: int = 100, n_max: int = 500, k: int = 4,
-                  seed: int = 2019) -> tuple[list[Tensor], float]:
-    "Held-out sets: n_batches batches of `batch` sets, n ~ U{n_min..n_max} per batch; returns (sets, oracle LL per point)."
-    g = torch.Generator().manual_seed(seed)
-    sets, oracle = [], 0.0
-    for _ in range(n_batches):
-        n = int(torch.randint(n_min, n_max + 1, (1,), generator=g))
-        X, _, (pi, mu, sig) = sample_mog(batch, n, k, generator=g)
-        sets.append(X)
-        oracle += mog_log_prob(X, pi, mu, sig).mean().item()
-    return sets, oracle / n_batches
-
-@torch.no_grad()
-def evaluate_mog(model: nn.Module, sets: Sequence[Tensor], device: Optional[torch.device] = None) -> float:
-    "Log-likelihood per point of `sets` (each [B, n, 2]) under the mixtures the model writes, averaged over batches."
-    was_training = model.training
-    model.eval()
-    device = device or next(model.parameters()).device
-    ll = sum(-mog_nll(model(X.to(device)), X.to(device)).item() for X in sets) / len(sets)
-    model.train(was_training)
-    return ll
-
-def train_mog(model: nn.Module, steps: int, batch: int = 10, lr: float = 1e-3, n_min: int = 100, n_max: int = 500,
-              k: int = 4, decay_at: float = 0.5, seed: int = 0, device: Optional[torch.device] = None,
-              progress: bool = True, log_every: int = 0, eval_sets: Optional[Sequence[Tensor]] = None,
-              on_log: Optional[Callable[[dict], None]] = None) -> list[dict]:
-    "Adam on fresh MoG sets for `steps` steps, lr ÷ 10 at decay_at·steps; returns a log of dicts (step, loss, [test LL])."
-    from tqdm import tqdm
-    device = device or next(model.parameters()).device
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    model.train()
-    log, t0, run = [], time.time(), 0.0
-    bar = tqdm(range(1, steps + 1), disable=not progress, mininterval=2.0)
-    for t in bar:
-        if t == int(decay_at * steps):
-            for group in opt.param_groups: group["lr"] *= 0.1
-        n = int(torch.randint(n_min, n_max + 1, (1,), generator=g))
-        X = sample_mog(batch, n, k, generator=g)[0].to(device)
-        loss = mog_nll(model(X), X)
-        opt.zero_grad(); loss.backward(); opt.step()
-        run = loss.item() if t == 1 else 0.98 * run + 0.02 * loss.item()
-        bar.set_postfix(nll=f"{run:.3f}", refresh=False)
-        if log_every and (t % log_every == 0 or t == steps):
-            entry = dict(step=t, loss=run, seconds=time.time() - t0)
-            if eval_sets is not None:
-                entry["test_ll"] = evaluate_mog(model, eval_sets, device)
-            log.append(entry)
-            if on_log is not None: on_log(entry)
-    return log
-
-# %% ../nbs/05_set_transformer.ipynb #e558085c
-def plot_mog_fits(model: nn.Module, X: Tensor, truth: Optional[tuple[Tensor, Tensor, Tensor]] = None, ncols: int = 4):
-    "Scatter each set of X [B, n, 2] with the Gaussians the model fits (and the true means, if given); returns the Figure."
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Ellipse
-    model.eval()
-    with torch.no_grad():
-        pi, mu, sig = parse_mog(model(X.to(next(model.parameters()).device)))
-    pi, mu, sig = pi.cpu(), mu.cpu(), sig.cpu()
-    x, m, s = X.unsqueeze(2), mu.unsqueeze(1), sig.unsqueeze(1)
-    resp = (-(s.log()) - 0.5 * ((x - m) / s) ** 2).sum(-1) + pi.log().unsqueeze(1)    # [B, n, k]
-    z = resp.argmax(-1)
-    B = X.shape[0]
-    nrows = (B + ncols - 1) // ncols
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3 * ncols, 3 * nrows), squeeze=False)
-    colors = plt.get_cmap("tab10").colors
-    for b, ax in enumerate(axes.flat):
-        if b >= B:
-            ax.axis("off"); continue
-        ax.scatter(X[b, :, 0], X[b, :, 1], s=3, c=[colors[int(j) % 10] for j in z[b]], alpha=0.6)
-        for j in range(mu.shape[1]):
-            for r in (1, 2):
-                ax.add_patch(Ellipse(mu[b, j].tolist(), 2 * r * sig[b, j, 0].item(), 2 * r * sig[b, j, 1].item(),
-                                     fill=False, color=colors[j % 10], lw=0.5 + 3 * pi[b, j].item()))
-        if truth is not None:
-            ax.scatter(truth[1][b, :, 0], truth[1][b, :, 1], marker="x", c="k", s=30, lw=1)
-        ll = mog_log_prob(X[b:b + 1], pi[b:b + 1], mu[b:b + 1], sig[b:b + 1]).mean().item()
-        ax.set(xlim=(-5.5, 5.5), ylim=(-5.5, 5.5), xticks=[], yticks=[], aspect="equal")
-        ax.set_title(f"n={X.shape[1]}, LL/pt {ll:.2f}", fontsize=8)
-    fig.tight_layout()
-    return fig

@@ -9,7 +9,8 @@ from torch import Tensor, nn
 
 # %% ../nbs/01_squash.ipynb #5a8bc95f
 def squash(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
-    "Eq. (1): shrink each vector along `dim` to length ‖s‖²/(1+‖s‖²), keeping its direction; same shape as `s`."
+    """Eq. (1): shrink each vector along `dim` to length ‖s‖²/(1+‖s‖²), keeping its direction;
+    same shape as `s`."""
     if not isinstance(s, Tensor):
         raise TypeError(f"squash expects a torch.Tensor of capsule vectors, got {type(s).__name__}")
     n = (s * s).sum(dim=dim, keepdim=True)           # ‖s_j‖², the vector axis kept with size 1
@@ -30,7 +31,8 @@ class Squash(nn.Module):
 
 # %% ../nbs/01_squash.ipynb #a914d442
 def plot_squash(max_norm: float = 5.0, n_points: int = 500):
-    "Plot ‖v‖ = ‖s‖²/(1+‖s‖²) against ‖s‖ on [0, max_norm], computed by `squash`; returns the matplotlib Figure."
+    """Plot ‖v‖ = ‖s‖²/(1+‖s‖²) against ‖s‖ on [0, max_norm], computed by `squash`;
+    returns the matplotlib Figure."""
     import matplotlib.pyplot as plt
     s_norm = torch.linspace(0, max_norm, n_points, dtype=torch.float64)
     s = torch.stack([s_norm, torch.zeros_like(s_norm)], dim=-1)  # [n_points, 2] vectors along x
@@ -40,8 +42,8 @@ def plot_squash(max_norm: float = 5.0, n_points: int = 500):
     ax.plot(s_norm, torch.minimum(s_norm**2, torch.ones_like(s_norm)), "--", color="grey", lw=1,
             label=r"$\|\mathbf{s}\|^2$ (small-length behaviour)")
     ax.axhline(1.0, color="k", lw=0.8, ls=":")
-    ax.set(xlabel=r"$\|\mathbf{s}\|$", ylabel=r"$\|\mathbf{v}\|$", ylim=(0, 1.05), xlim=(0, max_norm),
-           title="Squash, Eq. (1)")
+    ax.set(xlabel=r"$\|\mathbf{s}\|$", ylabel=r"$\|\mathbf{v}\|$", ylim=(0, 1.05),
+           xlim=(0, max_norm), title="Squash, Eq. (1)")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     return fig

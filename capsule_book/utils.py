@@ -3,6 +3,7 @@
 # %% ../nbs/90_utils.ipynb #5690d1f1
 from __future__ import annotations
 
+import math
 import os
 import random
 from typing import Optional, Union
@@ -11,7 +12,7 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['available_devices', 'pick_device', 'seed_everything']
+__all__ = ['available_devices', 'pick_device', 'seed_everything', 'round_off']
 
 # %% ../nbs/90_utils.ipynb #92a8acca
 def available_devices() -> list[str]:
@@ -39,3 +40,8 @@ def seed_everything(seed: int = 0) -> torch.Generator:
     torch.manual_seed(seed)
     os.environ.setdefault("PYTHONHASHSEED", str(seed))
     return torch.Generator().manual_seed(seed)
+
+# %% ../nbs/90_utils.ipynb #bff2b9b2
+def round_off(result: torch.Tensor, n: int, c: float = 4.0) -> float:
+    "c·ε·√n·max|result|: the float32 round-off of a result of that size after sums of n terms in all."
+    return c * torch.finfo(torch.float32).eps * math.sqrt(n) * result.detach().abs().max().item()

@@ -7,19 +7,14 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from capsule_book.set_transformer import (ISAB, MAB, PMA, SAB, Multihead, SetTransformer, attention, evaluate_mog,
-                                          mog_benchmark, mog_log_prob, mog_nll, parse_mog, plot_mog_fits, sample_mog)
+from capsule_book.set_transformer import ISAB, MAB, PMA, SAB, Multihead, SetTransformer, attention
+from capsule_book.utils import round_off
 
 TOL = dict(atol=1e-5, rtol=1e-5)                         # float64 blocks: 1e-5 is 10¹¹ times their round-off
 EPS32 = torch.finfo(torch.float32).eps
 
 
-def _round_off(scale: torch.Tensor, n: int, c: float = 4.0) -> float:
-    """c·ε·√n·max|scale|: the float32 round-off of a result of `scale`'s size after sums of n terms in all.
-
-    Rounding errors add like a random walk (√n); the CPU kernel (AVX-512, AVX2, the fused attention of
-    scaled_dot_product_attention) changes the error, not its size. c = 4 leaves a factor of ten over what we measured."""
-    return c * EPS32 * math.sqrt(n) * scale.detach().abs().max().item()
+_round_off = round_off                                  # c·ε·√n·max|scale| (capsule_book.utils)
 
 
 def _seeded(seed, module):
@@ -207,76 +202,6 @@ def test_mismatched_shapes_are_refused_with_the_shapes():
     model = SetTransformer(2, 5, 4, dim=16)
     with pytest.raises(ValueError, match=r"\[B, n, 2\].*\[10, 2\]"):
         model(torch.randn(10, 2))
-
-
-def test_mixture_density_integrates_to_one_and_matches_torch_distributions():
-    g = torch.Generator().manual_seed(3)
-    X, _, (pi, mu, sig) = sample_mog(3, 50, generator=g)
-    sig = sig * torch.rand(3, 4, 2, generator=g).add(0.5)              # unequal scales too
-    grid = torch.linspace(-7, 7, 701)
-    pts = torch.stack(torch.meshgrid(grid, grid, indexing="ij"), -1).reshape(1, -1, 2).expand(3, -1, -1)
-    mass = mog_log_prob(pts, pi, mu, sig).exp().sum(1) * (grid[1] - grid[0]) ** 2
-    # a Riemann sum with spacing 0.02 ≪ σ ≥ 0.15 and the square ±7 ⊃ μ ± 6σ: exact but for the float32 round-off
-    # of the sum of 701² densities (and of each density, relative |log p| ε ≤ 10ε where the mass is)
-    torch.testing.assert_close(mass, torch.ones(3), rtol=0, atol=_round_off(torch.ones(1), 10 * pts.shape[1]))
-    D = torch.distributions
-    ref = D.MixtureSameFamily(D.Categorical(pi), D.Independent(D.Normal(mu, sig), 1))
-    want = ref.log_prob(X.transpose(0, 1)).T
-    n = 2 * 4 + 4                                        # D·k terms, then the log-sum-exp over k
-    torch.testing.assert_close(mog_log_prob(X, pi, mu, sig), want, rtol=0, atol=_round_off(want, n))
-
-
-def test_sampler_follows_the_generative_process():
-    g = torch.Generator().manual_seed(4)
-    X, labels, (pi, mu, sig) = sample_mog(2000, 200, generator=g)
-    assert ((mu >= -4) & (mu <= 4)).all() and (sig == 0.3).all()
-    torch.testing.assert_close(pi.mean(0), torch.full((4,), 0.25), atol=0.02, rtol=0)   # Dirichlet(1): E π = 1/4
-    torch.testing.assert_close(pi.var(0), torch.full((4,), 3 / 80), atol=0.005, rtol=0)  # Var = (K-1)/(K²(K+1))
-    resid = (X - mu.gather(1, labels.unsqueeze(-1).expand(-1, -1, 2))) / 0.3
-    assert abs(resid.std().item() - 1) < 0.01 and abs(resid.mean().item()) < 0.01
-    freq = F.one_hot(labels, 4).float().mean(1)                                          # label frequencies ≈ π
-    assert (freq - pi).abs().mean() < 0.03
-
-
-def test_oracle_beats_wrong_parameters_and_loss_is_minus_ll():
-    g = torch.Generator().manual_seed(5)
-    X, _, (pi, mu, sig) = sample_mog(4, 300, generator=g)
-    truth = mog_log_prob(X, pi, mu, sig).mean()
-    assert truth > mog_log_prob(X, pi, mu + 0.5, sig).mean()
-    assert truth > mog_log_prob(X, pi, mu, sig * 2).mean()
-    raw = torch.cat([pi.log().unsqueeze(-1), mu, torch.log(torch.expm1(sig - 1e-6))], -1)  # inverse of parse_mog
-    p2, m2, s2 = parse_mog(raw)
-    torch.testing.assert_close(p2, pi, rtol=0, atol=_round_off(pi, 4))                  # softmax of k = 4 logits
-    assert torch.equal(m2, mu)
-    torch.testing.assert_close(s2, sig, rtol=0, atol=_round_off(sig, 3))                # expm1, log, softplus
-    lp = mog_log_prob(X, pi, mu, sig)
-    n = 2 * 4 + lp.numel()                                                              # D·k terms, then the mean
-    torch.testing.assert_close(mog_nll(raw, X), -truth, rtol=0, atol=_round_off(lp, n))
-    mask = torch.rand(4, 300, generator=g) < 0.5
-    expected = -mog_log_prob(X, p2, m2, s2)[mask].mean()
-    torch.testing.assert_close(mog_nll(raw, X, mask), expected, rtol=0, atol=_round_off(lp, n))
-
-
-def test_far_points_have_finite_loss_and_gradient():
-    raw = torch.zeros(1, 4, 5, requires_grad=True)
-    X = torch.full((1, 3, 2), 50.0)
-    loss = mog_nll(raw, X)
-    loss.backward()
-    assert torch.isfinite(loss) and torch.isfinite(raw.grad).all()
-
-
-def test_a_few_training_steps_improve_the_held_out_likelihood_and_the_plot():
-    from capsule_book.set_transformer import train_mog
-    sets, oracle = mog_benchmark(n_batches=2, batch=4, n_min=50, n_max=80)
-    torch.manual_seed(0)
-    model = SetTransformer(2, 5, 4, dim=16, n_heads=2, n_inducing=4)
-    before = evaluate_mog(model, sets)
-    train_mog(model, 20, batch=4, n_min=50, n_max=80, progress=False)
-    after = evaluate_mog(model, sets)
-    assert after > before and after < oracle + 0.1
-    fig = plot_mog_fits(model, sets[0][:3], ncols=2)
-    assert len([ax for ax in fig.axes if ax.axison]) == 3
-    assert len(fig.axes[0].patches) == 4 * 2                                  # 4 components × (1σ, 2σ)
 
 
 @pytest.mark.parametrize("name", ["sab", "isab", "pma", "st_sab", "st_isab", "mab"])

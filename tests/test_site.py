@@ -1,6 +1,9 @@
 """The rendered book, read in a real browser: build the site with Jupyter Book, serve it on localhost, open the
 Squash chapter in headless Chromium, and check what a reader sees (typeset math, the figure, the Colab link).
-Without Chromium the browser tests skip, saying so, except under CI (CI=true), where they fail."""
+Then, driving the same Chromium with Playwright, the layout of the Routing chapter: notes beside the code on a wide
+window (labml's layout, _static/book.js and book.css), one column on a phone, and no tooling on the page (nbdev
+directives, progress bars, a second search box).
+Without Chromium or Playwright the browser tests skip, saying so, except under CI (CI=true), where they fail."""
 import functools
 import http.server
 import os
@@ -164,4 +167,130 @@ def test_every_chapter_typesets_its_math_without_errors(chromium, server):
         text = "".join(parser.parts)
         if "$$" in text or "\\frac" in text:
             problems.append(f"{page}: raw TeX left in the prose")
+    assert not problems, "\n".join(problems)
+
+
+# --- The layout, measured in the browser with Playwright (the Python package only; it drives Debian's Chromium and
+# never downloads a browser of its own).
+
+ROUTING = "nbs/02_routing"
+WIDE, NARROW = 1600, 420
+
+# Where a reader sees boxes: the code of each code cell, and the markdown blocks (the notes) outside code cells.
+_MEASURE = """() => {
+  const article = document.querySelector('article.bd-article');
+  const shown = e => e.getClientRects().length > 0;
+  const code = [...article.querySelectorAll('div.cell > div.cell_input')].filter(shown);
+  const notes = [...article.querySelectorAll('p, ul, ol, dl, blockquote, table, div.math, div.admonition, figure')]
+      .filter(e => !e.closest('div.cell') && shown(e)).map(e => e.getBoundingClientRect());
+  const beside = code.filter(c => { const r = c.getBoundingClientRect();
+      return notes.some(n => Math.abs(n.top - r.top) <= 4 && n.right <= r.left + 1); });
+  return {code: code.length, beside: beside.length, scrollWidth: document.documentElement.scrollWidth,
+          width: window.innerWidth,
+          lines: code.map(c => c.querySelector('pre') ? c.querySelector('pre').innerText : '').join('\\n').split('\\n'),
+          outputs: [...article.querySelectorAll('div.cell_output pre')].map(p => p.innerText),
+          search: [...document.querySelectorAll('.search-button__button, .search-button-field, input[type=search]')]
+              .filter(e => shown(e) && e.getBoundingClientRect().width > 0 && !e.closest('dialog')).length};
+}"""
+_PROGRESS = re.compile(r"\d+%\|.*\|\s*\d+/\d+|\d+(\.\d+)?(it/s|s/it)[,\]]")
+
+
+@pytest.fixture(scope="session")
+def browser(chromium):
+    "Playwright's Chromium, Debian's binary. Missing Playwright: a failure under CI (CI=true), else a skip."
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        reason = ("the Playwright Python package is needed to measure the page layout and is not installed: "
+                  "`pip install playwright` (it is in settings.ini's dev_requirements; no browser download is needed, "
+                  "the test drives the system Chromium)")
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        print(reason)
+        pytest.skip(reason)
+    pw = sync_playwright().start()
+    b = pw.chromium.launch(executable_path=chromium, args=[
+        "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", "--no-first-run", "--disable-quic"])
+    yield b
+    b.close()
+    pw.stop()
+
+
+def _measure(browser, server: str, page: str, width: int) -> dict:
+    "Open a page at a window `width` px wide, let MathJax typeset, and measure it (see _MEASURE)."
+    context = browser.new_context(viewport={"width": width, "height": 1000})
+    # Nothing but the local site: no fonts, analytics or CDNs from outside.
+    context.route("**/*", lambda route: route.continue_() if route.request.url.startswith(server)
+                  else route.abort())
+    tab = context.new_page()
+    errors = []
+    tab.on("pageerror", lambda e: errors.append(str(e)))
+    tab.goto(f"{server}/{page}.html", wait_until="load")
+    # MathJax (deferred, so defined by now on a page with math) typesets asynchronously and moves the layout.
+    tab.evaluate("""async () => {
+      if (window.MathJax && MathJax.startup && MathJax.startup.promise) await MathJax.startup.promise;
+      await document.fonts.ready; }""")
+    tab.wait_for_timeout(200)
+    result = tab.evaluate(_MEASURE)
+    context.close()
+    # sphinx-thebe declares THEBE_JS_URL twice (the theme's bug, harmless): any other script error is ours.
+    result["errors"] = [e for e in errors if "THEBE_JS_URL" not in e]
+    return result
+
+
+@pytest.fixture(scope="session")
+def routing_wide(browser, server):
+    return _measure(browser, server, ROUTING, WIDE)
+
+
+@pytest.fixture(scope="session")
+def routing_narrow(browser, server):
+    return _measure(browser, server, ROUTING, NARROW)
+
+
+def test_notes_stand_beside_their_code_on_a_wide_window(routing_wide):
+    "labml's layout at 1600 px: most code cells have a note to their left whose top is level with theirs."
+    m = routing_wide
+    assert not m["errors"], f"script errors on the Routing page: {m['errors']}"
+    assert m["code"] >= 10, f"only {m['code']} code cells shown on the Routing page"
+    assert m["beside"] * 2 >= m["code"], (f"only {m['beside']} of {m['code']} code cells have a note beside them "
+                                          f"at {WIDE} px")
+    assert m["scrollWidth"] <= m["width"], f"the page scrolls sideways at {WIDE} px: {m['scrollWidth']} px wide"
+
+
+def test_one_column_on_a_narrow_window(routing_narrow):
+    "At 420 px (a phone) notes come above their code, and nothing makes the page scroll sideways."
+    m = routing_narrow
+    assert not m["errors"], f"script errors on the Routing page: {m['errors']}"
+    assert m["code"] >= 10
+    assert m["beside"] == 0, f"{m['beside']} code cells still have a note beside them at {NARROW} px"
+    assert m["scrollWidth"] <= m["width"], f"the page scrolls sideways at {NARROW} px: {m['scrollWidth']} px wide"
+
+
+def test_code_shows_no_nbdev_directives(routing_wide, routing_narrow):
+    for m in (routing_wide, routing_narrow):
+        directives = [line for line in m["lines"] if line.lstrip().startswith("#|")]
+        assert not directives, f"nbdev directives shown in the Routing chapter's code: {directives[:5]}"
+    assert any(line.startswith("def ") for line in routing_wide["lines"]), "the code cells lost their code"
+
+
+def test_one_search_box(routing_wide, routing_narrow):
+    for width, m in ((WIDE, routing_wide), (NARROW, routing_narrow)):
+        assert m["search"] == 1, f"{m['search']} search boxes shown at {width} px, not one"
+
+
+def test_no_chapter_shows_tooling(browser, server):
+    "On every page: no nbdev directive in the code, no progress bar in the outputs."
+    problems = []
+    for page in _chapters():
+        m = _measure(browser, server, page, WIDE)
+        directives = [line for line in m["lines"] if line.lstrip().startswith("#|")]
+        bars = [out[:80] for out in m["outputs"] if _PROGRESS.search(out)]
+        if directives:
+            problems.append(f"{page}: nbdev directives {directives[:3]}")
+        if bars:
+            problems.append(f"{page}: progress bars {bars[:2]}")
+        if m["errors"]:
+            problems.append(f"{page}: script errors {m['errors']}")
     assert not problems, "\n".join(problems)

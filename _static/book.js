@@ -1,0 +1,186 @@
+/* capsule_book: how a chapter reads in the browser.
+ *
+ * 1. Tooling a reader should not see: nbdev directives (lines starting with `#|`) are taken out of every code
+ *    cell, a cell left empty disappears, and progress-bar lines (tqdm) are taken out of printed outputs.
+ *    `#| hide` and `#| include: false` hide the cell, `#| echo: false` its code, `#| output: false` its output,
+ *    as nbdev does in its own docs.
+ * 2. labml's layout (nn.labml.ai): each code cell is paired with the markdown blocks right before it (back to the
+ *    previous code cell or heading) in a <div class="nb-pair"> holding <div class="nb-notes"> and
+ *    <div class="nb-code">. book.css lays a pair out as two columns (notes left, code right, tops aligned) on a
+ *    window at least 1200 px wide, and as one column below that. Headings stay outside the pairs, full width.
+ *
+ * It runs once, when the DOM is parsed; it only moves nodes, so MathJax, search highlighting and the copy buttons
+ * keep working on the same elements.
+ */
+(function () {
+  "use strict";
+
+  var DIRECTIVE = /^\s*#\|/;
+  var PROGRESS = /\d+%\|.*\|\s*\d+(\.\d+)?[kMG]?\/\d+(\.\d+)?[kMG]?\s*\[|\d+(\.\d+)?(it\/s|s\/it)[,\]]/;
+  var HEADING = /^H[1-6]$/;
+
+  function isCell(el) {
+    return el.nodeType === 1 && el.classList.contains("cell") && el.tagName === "DIV";
+  }
+
+  /* Split a highlighted <pre> into one <span class="nb-line"> per source line, copying the token spans a line
+   * runs through, so that each line can be dropped or wrapped with a hanging indent on its own. */
+  function splitLines(pre) {
+    var lines = [], current = [], walker = document.createTreeWalker(pre, NodeFilter.SHOW_TEXT, null), node;
+    function wrap(text, textNode) {
+      var piece = document.createTextNode(text), el = textNode.parentNode;
+      while (el && el !== pre) {
+        var copy = el.cloneNode(false);
+        copy.removeAttribute("id");
+        copy.appendChild(piece);
+        piece = copy;
+        el = el.parentNode;
+      }
+      return piece;
+    }
+    while ((node = walker.nextNode())) {
+      var parts = node.nodeValue.split("\n");
+      for (var k = 0; k < parts.length; k++) {
+        if (k > 0) {
+          lines.push(current);
+          current = [];
+        }
+        if (parts[k]) current.push(wrap(parts[k], node));
+      }
+    }
+    if (current.length) lines.push(current);
+    return lines.map(function (pieces) {
+      var span = document.createElement("span");
+      span.className = "nb-line";
+      pieces.forEach(function (p) { span.appendChild(p); });
+      return span;
+    });
+  }
+
+  /* Take the directives out of one code cell; returns them (e.g. ["export", "hide"]). */
+  function stripDirectives(cell) {
+    var pre = cell.querySelector(":scope > .cell_input pre");
+    if (!pre) return [];
+    var lines = splitLines(pre), directives = [], kept = [];
+    lines.forEach(function (line) {
+      var text = line.textContent;
+      if (DIRECTIVE.test(text)) directives.push(text.replace(DIRECTIVE, "").trim());
+      else kept.push(line);
+    });
+    while (kept.length && !kept[0].textContent.trim()) kept.shift();
+    while (kept.length && !kept[kept.length - 1].textContent.trim()) kept.pop();
+    while (pre.firstChild) pre.removeChild(pre.firstChild);
+    kept.forEach(function (line) {
+      var indent = /^ */.exec(line.textContent)[0].length;
+      line.style.setProperty("--nb-indent", indent + 4 + "ch");
+      pre.appendChild(line);
+      pre.appendChild(document.createTextNode("\n"));
+    });
+    if (!kept.length) {
+      var input = cell.querySelector(":scope > .cell_input");
+      input.parentNode.removeChild(input);
+    }
+    return directives;
+  }
+
+  function applyDirectives(cell, directives) {
+    var flags = directives.join(" ").replace(/\s+/g, " ");
+    function drop(sel) {
+      cell.querySelectorAll(sel).forEach(function (el) { el.parentNode.removeChild(el); });
+    }
+    if (/(^| )(hide|include: ?false)( |$)/.test(flags)) return cell.parentNode.removeChild(cell);
+    if (/(^| )echo: ?false( |$)/.test(flags)) drop(":scope > .cell_input");
+    if (/(^| )output: ?false( |$)/.test(flags)) drop(":scope > .cell_output");
+  }
+
+  /* Printed progress bars: drop the lines that look like tqdm's, and the output if nothing else is left. */
+  function stripProgress(cell) {
+    cell.querySelectorAll(":scope > .cell_output .output.stream, :scope > .cell_output .output.stderr").forEach(function (out) {
+      var pre = out.querySelector("pre");
+      if (!pre || !PROGRESS.test(pre.textContent)) return;
+      var kept = pre.textContent.split(/\r\n|\r|\n/).filter(function (l) { return l.trim() && !PROGRESS.test(l); });
+      if (kept.length) pre.textContent = kept.join("\n") + "\n";
+      else out.parentNode.removeChild(out);
+    });
+    var output = cell.querySelector(":scope > .cell_output");
+    if (output && !output.children.length) output.parentNode.removeChild(output);
+  }
+
+  function pair(cell) {
+    if (!cell.querySelector(":scope > .cell_input")) return;   // an output shown without its code stays full width
+    var notes = [], prev = cell.previousElementSibling;
+    while (prev && !isCell(prev) && !HEADING.test(prev.tagName) && prev.tagName !== "SECTION" &&
+           !prev.classList.contains("nb-pair")) {
+      notes.unshift(prev);
+      prev = prev.previousElementSibling;
+    }
+    var box = document.createElement("div"), left = document.createElement("div"), right = document.createElement("div");
+    box.className = "nb-pair" + (notes.length ? "" : " nb-pair--code-only");
+    left.className = "nb-notes";
+    right.className = "nb-code";
+    cell.parentNode.insertBefore(box, notes.length ? notes[0] : cell);
+    notes.forEach(function (n) { left.appendChild(n); });
+    right.appendChild(cell);
+    box.appendChild(left);
+    box.appendChild(right);
+  }
+
+  /* The page's table of contents: on a wide window the paired layout needs its column, so it opens from the
+   * article header's "contents" button instead, as a panel. */
+  function tocButton() {
+    var button = document.querySelector(".bd-header-article .secondary-toggle");
+    if (!button) return;
+    button.addEventListener("click", function (e) {
+      if (!window.matchMedia("(min-width: 1200px)").matches) return;
+      e.preventDefault();
+      e.stopImmediatePropagation();
+      document.body.classList.toggle("nb-toc-open");
+    }, true);
+    document.addEventListener("click", function (e) {
+      if (!document.body.classList.contains("nb-toc-open")) return;
+      if (e.target.closest(".bd-header-article .secondary-toggle")) return;
+      if (!e.target.closest(".bd-sidebar-secondary") || e.target.closest("a")) document.body.classList.remove("nb-toc-open");
+    });
+    document.addEventListener("keydown", function (e) {
+      if (e.key === "Escape") document.body.classList.remove("nb-toc-open");
+    });
+  }
+
+  /* The theme binds its sidebar toggles to the first such button in the page, the one in the header bar that
+   * book.css hides (sphinx-book-theme 1.3 with pydata-sphinx-theme 0.17), so the article header's own buttons did
+   * nothing; they pass their click on to it. */
+  function forwardToggle(kind, unlessWide) {
+    var mine = document.querySelector(".bd-header-article ." + kind), theirs = document.querySelector("." + kind);
+    if (!mine || !theirs || mine === theirs) return;
+    mine.addEventListener("click", function (e) {
+      if (unlessWide && document.body.classList.contains("nb-paired") &&
+          window.matchMedia("(min-width: 1200px)").matches) return;
+      e.preventDefault();
+      theirs.click();
+    });
+  }
+
+  function run() {
+    forwardToggle("primary-toggle", false);
+    forwardToggle("secondary-toggle", true);
+    var article = document.querySelector("article.bd-article");
+    if (!article) return;
+    var cells = Array.prototype.slice.call(article.querySelectorAll("div.cell"));
+    cells.forEach(function (cell) {
+      applyDirectives(cell, stripDirectives(cell));
+      if (!cell.parentNode) return;
+      stripProgress(cell);
+      if (!cell.children.length) cell.parentNode.removeChild(cell);
+    });
+    cells.forEach(function (cell) {
+      if (cell.parentNode) pair(cell);
+    });
+    if (article.querySelector(".nb-pair")) {
+      document.body.classList.add("nb-paired");
+      tocButton();
+    }
+  }
+
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", run);
+  else run();
+})();

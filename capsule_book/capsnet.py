@@ -3,10 +3,12 @@
 # %% auto #0
 __all__ = ['CAPSNET_RUN_KEYS', 'PrimaryCaps', 'CapsNetOutput', 'mask_capsules', 'CapsNet', 'capsnet_loss', 'TrainConfig',
            'lr_factor', 'evaluate', 'capsnet_task', 'train_capsnet', 'load_capsnet', 'plot_reconstructions',
-           'perturb_capsule', 'plot_perturbations', 'coupling_summary', 'plot_coupling']
+           'perturb_capsule', 'plot_perturbations', 'coupling_summary', 'plot_coupling', 'routing_statistics',
+           'summarise_routing', 'plot_routing_statistics']
 
 # %% ../nbs/04_capsnet.ipynb #5f38e83e
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple, Optional, Union
@@ -301,4 +303,71 @@ def plot_coupling(model: CapsNet, images: Tensor):
         axes[k, 2].set_title(f"c to {pred[k].item()}, by position", fontsize=7)
     axes[0, 1].set_title(r"$\bar c_j - 1/10$ (red: the prediction)", fontsize=8)
     fig.colorbar(im, ax=axes[:, 2].tolist(), shrink=0.5, label="coupling − 1/10")
+    return fig
+
+# %% ../nbs/04_capsnet.ipynb #025d31cc
+@torch.no_grad()
+def routing_statistics(model: CapsNet, images: Tensor, labels: Tensor, batch_size: int = 250) -> dict:
+    "Per test digit [N] and primary capsule [1152]: couplings after 1..r iterations, summarised; see the chapter."
+    model.eval()
+    r = model.digit_caps.iterations
+    keys = ("max_c", "entropy", "change", "last_step", "to_true", "to_other", "weight")
+    out = {k: [] for k in keys}
+    try:
+        for s in range(0, len(images), batch_size):
+            x, y = images[s:s + batch_size], labels[s:s + batch_size]
+            u = model.primary_caps(F.relu(model.conv1(x)))               # u_i: [B, 1152, 8]
+            cs = []
+            for t in range(1, r + 1):                                     # c^(t): routing stopped after t iterations
+                model.digit_caps.iterations = t
+                cs.append(model.digit_caps(u, return_coupling=True)[1])   # [B, 1152, 10]
+            c = cs[-1]
+            J = c.shape[-1]
+            true = c.gather(2, y[:, None, None].expand(-1, c.shape[1], 1))[..., 0]     # c_{i,y}: [B, 1152]
+            out["max_c"].append(c.max(-1).values)
+            out["entropy"].append(-(c * c.clamp_min(1e-30).log()).sum(-1))
+            out["change"].append((c - cs[0]).abs().sum(-1) / 2)           # total variation from c^(1)
+            out["last_step"].append((c - cs[-2]).abs().sum(-1) / 2 if r > 1 else torch.zeros_like(true))
+            out["to_true"].append(true)
+            out["to_other"].append((1 - true) / (J - 1))                   # the mean of the other nine
+            out["weight"].append(u.norm(dim=-1))                           # ‖u_i‖
+    finally:
+        model.digit_caps.iterations = r
+    res = {k: torch.cat(v) for k, v in out.items()}
+    res["label"] = labels
+    return res
+
+def summarise_routing(stats: dict) -> dict:
+    "The ‖u_i‖-weighted means of `routing_statistics` over capsules and digits, and per true digit."
+    w = stats["weight"] / stats["weight"].sum(1, keepdim=True)           # [N, 1152], each row sums to 1
+    mean = lambda t: (w * t).sum(1)                                       # per digit: [N]
+    res = {k: mean(stats[k]).mean().item() for k in ("max_c", "entropy", "change", "last_step", "to_true", "to_other")}
+    res["by_digit"] = {d: (mean(stats["to_true"])[stats["label"] == d].mean().item(),
+                           mean(stats["to_other"])[stats["label"] == d].mean().item()) for d in range(10)}
+    return res
+
+# %% ../nbs/04_capsnet.ipynb #f40c8276
+def plot_routing_statistics(stats: dict, title: str = ""):
+    "Four panels of `routing_statistics`: max_j c_ij, the entropy, the change from uniform, the coupling by digit."
+    import matplotlib.pyplot as plt
+    w = (stats["weight"] / stats["weight"].sum(1, keepdim=True)).flatten().cpu()
+    fig, ax = plt.subplots(1, 4, figsize=(13, 2.9))
+    for a, key, xlabel, ref in ((ax[0], "max_c", r"$\max_j c_{ij}$", 0.1),
+                                (ax[1], "entropy", r"entropy of $c_{i\cdot}$ (nats)", math.log(10)),
+                                (ax[2], "change", r"$\frac{1}{2}\sum_j |c^{(3)}_{ij} - c^{(1)}_{ij}|$", 0.0)):
+        a.hist(stats[key].flatten().cpu(), bins=60, weights=w, color="C0")
+        a.axvline(ref, color="C3", lw=1, ls="--")
+        a.set(xlabel=xlabel, yscale="log", yticks=[])
+    ax[0].set_title("one digit: 1; uniform: 0.1 (dashed)", fontsize=8)
+    ax[1].set_title("uniform: log 10 (dashed)", fontsize=8)
+    ax[2].set_title("how far routing moved c", fontsize=8)
+    s = summarise_routing(stats)
+    digits = range(10)
+    ax[3].bar([d - 0.2 for d in digits], [s["by_digit"][d][0] for d in digits], 0.4, label="true class", color="C3")
+    ax[3].bar([d + 0.2 for d in digits], [s["by_digit"][d][1] for d in digits], 0.4, label="mean of the others")
+    ax[3].axhline(0.1, color="k", lw=0.6)
+    ax[3].set(xticks=list(digits), xlabel="digit", ylim=(0.09, 0.11), title="coupling, weighted by ‖u_i‖")
+    ax[3].title.set_fontsize(8); ax[3].legend(fontsize=7)
+    if title: fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
     return fig

@@ -20,7 +20,8 @@ from .train import RunResult, SyntheticStream, Task, UserError, fit, load_checkp
 
 # %% auto #0
 __all__ = ['OFFICIAL_WEIGHTS', 'OFFICIAL_MODEL', 'OFFICIAL_TEMPLATE_INIT', 'segmentation_accuracy', 'segmentation_report',
-           'BatchLinear', 'BatchMLP', 'OfficialCapsuleEncoder', 'geometric_transform', 'CCAEOutput', 'CCAE',
+           'OfficialCapsuleEncoder', 'capsule_encoder', 'BatchLinear', 'BatchMLP', 'geometric_transform',
+           'CapsuleVotes', 'capsule_votes', 'vote_mixture', 'ccae_losses', 'ccae_loss', 'CCAEOutput', 'CCAE',
            'evaluate_ccae', 'ccae_task', 'train_ccae', 'load_ccae', 'plot_ccae', 'plot_ccae_history']
 
 # %% ../nbs/08_ccae.ipynb #8dd6f109
@@ -53,6 +54,7 @@ def segmentation_accuracy(assignment: Tensor, pattern_id: Tensor, presence: Tens
     total = int(p.sum())
     return correct / total if total else float("nan")
 
+# %% ../nbs/08_ccae.ipynb #bf024d24
 def segmentation_report(assignment: Tensor, pattern_id: Tensor, presence: Tensor, n_capsules: int) -> dict:
     "`segmentation_accuracy` and its floor (every point in one capsule), over all examples and over those with c objects present (keys `_{c}_objects`)."
     a, y, p = assignment.cpu(), pattern_id.cpu(), presence.cpu().bool()
@@ -66,31 +68,6 @@ def segmentation_report(assignment: Tensor, pattern_id: Tensor, presence: Tensor
             res[f"{key}_{c}_objects"] = (segmentation_accuracy(assigned[sel], y[sel], p[sel], n_capsules)
                                          if sel.any() else float("nan"))
     return res
-
-# %% ../nbs/08_ccae.ipynb #47e908b9
-class BatchLinear(nn.Module):
-    "K independent linear maps, one per capsule: x [B, K, d_in] -> [B, K, d_out] with weights [K, d_in, d_out]."
-    def __init__(self, n_capsules: int, d_in: int, d_out: int, bias: bool = True):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_capsules, d_in, d_out))
-        nn.init.trunc_normal_(self.weight, std=1 / math.sqrt(d_in), a=-2 / math.sqrt(d_in), b=2 / math.sqrt(d_in))
-        self.bias = nn.Parameter(torch.zeros(n_capsules, d_out)) if bias else None
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.dim() != 3 or x.shape[1:] != self.weight.shape[:2]:
-            raise ValueError(f"expected x of shape [B, {self.weight.shape[0]}, {self.weight.shape[1]}], got {tuple(x.shape)}")
-        y = torch.einsum("bki,kio->bko", x, self.weight)               # capsule k uses weight[k]: [B, K, d_out]
-        return y if self.bias is None else y + self.bias
-
-class BatchMLP(nn.Sequential):
-    "An MLP per capsule (ReLU between layers): [B, K, sizes[0]] -> [B, K, sizes[-1]]; the last layer's bias optional."
-    def __init__(self, n_capsules: int, sizes: list[int], final_bias: bool = True):
-        layers = []
-        for i, (d_in, d_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-            last = i == len(sizes) - 2
-            layers.append(BatchLinear(n_capsules, d_in, d_out, bias=final_bias or not last))
-            if not last: layers.append(nn.ReLU())
-        super().__init__(*layers)
 
 # %% ../nbs/08_ccae.ipynb #a4b228bb
 class OfficialCapsuleEncoder(nn.Module):
@@ -117,6 +94,41 @@ class OfficialCapsuleEncoder(nn.Module):
         z = self.z(h)                                                                 # [B, M, dim_out]
         return self.readout(self.queries.expand(X.shape[0], -1, -1), z, z, mask)      # [B, K, dim_out]
 
+# %% ../nbs/08_ccae.ipynb #e2a250ef
+def capsule_encoder(kind: str, n_objects: int, dim_special: int, dim: int = 128, n_heads: int = 4,
+                    n_layers: int = 4) -> nn.Module:
+    "h^caps of Eq. (1), points [B, M, 2] -> c [B, K, dim_special]: 'set_transformer' (Chapter 5) or 'official'."
+    if kind == "set_transformer":                       # rFF(SAB(PMA_K(Z))), Chapter 5
+        return SetTransformer(2, dim_special, n_objects, dim=dim, n_heads=n_heads, n_layers=n_layers)
+    if kind == "official":                              # Multihead(Q, ZW, ZW), the official constellation encoder
+        return OfficialCapsuleEncoder(n_objects, dim_special, dim=dim, n_heads=n_heads, n_layers=n_layers)
+    raise ValueError(f"encoder must be 'set_transformer' or 'official', got {kind!r}")
+
+# %% ../nbs/08_ccae.ipynb #47e908b9
+class BatchLinear(nn.Module):
+    "K independent linear maps, one per capsule: x [B, K, d_in] -> [B, K, d_out] with weights [K, d_in, d_out]."
+    def __init__(self, n_capsules: int, d_in: int, d_out: int, bias: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_capsules, d_in, d_out))
+        nn.init.trunc_normal_(self.weight, std=1 / math.sqrt(d_in), a=-2 / math.sqrt(d_in), b=2 / math.sqrt(d_in))
+        self.bias = nn.Parameter(torch.zeros(n_capsules, d_out)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 3 or x.shape[1:] != self.weight.shape[:2]:
+            raise ValueError(f"expected x of shape [B, {self.weight.shape[0]}, {self.weight.shape[1]}], got {tuple(x.shape)}")
+        y = torch.einsum("bki,kio->bko", x, self.weight)               # capsule k uses weight[k]: [B, K, d_out]
+        return y if self.bias is None else y + self.bias
+
+class BatchMLP(nn.Sequential):
+    "An MLP per capsule (ReLU between layers): [B, K, sizes[0]] -> [B, K, sizes[-1]]; the last layer's bias optional."
+    def __init__(self, n_capsules: int, sizes: list[int], final_bias: bool = True):
+        layers = []
+        for i, (d_in, d_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+            last = i == len(sizes) - 2
+            layers.append(BatchLinear(n_capsules, d_in, d_out, bias=final_bias or not last))
+            if not last: layers.append(nn.ReLU())
+        super().__init__(*layers)
+
 # %% ../nbs/08_ccae.ipynb #e90bf8ca
 def geometric_transform(params: Tensor, similarity: bool = True) -> Tensor:
     "Six numbers [..., 6] -> a pose matrix [..., 3, 3] (similarity or affine), with the official non-linearities."
@@ -132,9 +144,82 @@ def geometric_transform(params: Tensor, similarity: bool = True) -> Tensor:
     zero, one = torch.zeros_like(sx), torch.ones_like(sx)
     return torch.stack([torch.stack(row0, -1), torch.stack(row1, -1), torch.stack([zero, zero, one], -1)], -2)
 
-# %% ../nbs/08_ccae.ipynb #d0874880
+# %% ../nbs/08_ccae.ipynb #d49db665
+class CapsuleVotes(NamedTuple):
+    "The votes of K object capsules with N parts each, Eq. (3), and what the losses read."
+    mu: Tensor           # [B, K, N, 2], μ_k,n
+    lam: Tensor          # [B, K, N], λ_k,n
+    log_a: Tensor        # [B, K, N], log a_k a_k,n
+    l_k: Tensor          # [B, K, 1], the object presence logits ℓ_k (noise included)
+    op_dynamic: Tensor   # [B, K, N, 6], the input-dependent part of OP_k,n's parameters
+
+def capsule_votes(raw: Tensor, bias: Tensor, op_static: Tensor, similarity: bool = True,
+                  noise_scale: float = 0.0) -> CapsuleVotes:
+    "h^part's output raw [B, K, 8N+7], the bias [K, 2N+7] of its last 2N+7 and the static OP params [K, N, 6] -> Eq. (3)."
+    K, N = op_static.shape[:2]
+    if raw.dim() != 3 or raw.shape[1:] != (K, 8 * N + 7) or bias.shape != (K, 2 * N + 7):
+        raise ValueError(f"expected raw [B, {K}, {8 * N + 7}] and bias [{K}, {2 * N + 7}], got {tuple(raw.shape)} "
+                         f"and {tuple(bias.shape)}")
+    B = raw.shape[0]
+    op_dynamic = raw[..., :6 * N].reshape(B, K, N, 6)                             # [B, K, N, 6]
+    ov_params, l_k, l_kn, scale_params = (raw[..., 6 * N:] + bias).split([6, 1, N, N], -1)
+    if noise_scale > 0:                                                           # presence-logit noise (training)
+        l_k = l_k + (torch.rand_like(l_k) - 0.5) * noise_scale                   # [B, K, 1]
+        l_kn = l_kn + (torch.rand_like(l_kn) - 0.5) * noise_scale                # [B, K, N]
+    OV = geometric_transform(ov_params, similarity)                               # OV_k: [B, K, 3, 3]
+    OP = geometric_transform(op_static + op_dynamic, similarity)                  # OP_k,n: [B, K, N, 3, 3]
+    V = OV[:, :, None] @ OP                                                       # Eq. (3): [B, K, N, 3, 3]
+    mu = V[..., :2, 2]                                                            # μ_k,n: [B, K, N, 2]
+    lam = F.softplus(scale_params + 0.5) + 1e-2                                   # λ_k,n: [B, K, N]
+    log_a = F.logsigmoid(l_k) + F.logsigmoid(l_kn)                                # log a_k a_k,n: [B, K, N]
+    return CapsuleVotes(mu, lam, log_a, l_k, op_dynamic)
+
+# %% ../nbs/08_ccae.ipynb #990639d8
+def vote_mixture(x: Tensor, present: Tensor, votes: CapsuleVotes, background: Optional[float] = None
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+    "Points x [B, M, 2] under the votes' mixture, Eq. (5) (7.4 with a background): log p [B], p(k,n | x_m) [B, M, K·N], capsule [B, M]."
+    B, K, N = votes.lam.shape
+    gmm = (x, present, votes.mu.reshape(B, K * N, 2), votes.lam.reshape(B, K * N), votes.log_a.reshape(B, K * N))
+    log_joint = gmm_log_joint(*gmm, background=background)                       # terms of Eq. (7.2): [B, M, K·N(+1)]
+    ll = gmm_log_likelihood_from_joint(log_joint, present)                        # Eq. (5)/(7.4), log: [B]
+    post = gmm_posterior_from_joint(log_joint, present, K * N)                    # p(k,n | x_m): [B, M, K·N]
+    return ll, post, post.argmax(-1) // N                                         # the capsule of the best vote
+
+# %% ../nbs/08_ccae.ipynb #f2f5a786
 OFFICIAL_WEIGHTS = dict(dynamic_l2=10.0, presence=10.0, prior_within=1.0, prior_between=1.0,
                         posterior_within=0.0, posterior_between=0.0)
+
+def _entropy(p: Tensor, dim: int = -1) -> Tensor:
+    "Entropy of p normalised along `dim` (0·log 0 = 0)."
+    p = p / (p.sum(dim, keepdim=True) + 1e-8)
+    return -(p * torch.log(p.clamp_min(1e-16))).sum(dim)
+
+def ccae_losses(votes: CapsuleVotes, log_likelihood: Tensor, posterior: Tensor, assignment: Tensor,
+                present: Tensor, n_classes: int = 2) -> dict:
+    "The terms of the training loss, each a [] tensor, from the votes, log p [B], p(k,n | x_m) [B, M, K·N], capsules [B, M]."
+    B, M = present.shape
+    K, N = votes.lam.shape[1:]
+    a_kn = votes.log_a.exp()                                                      # [B, K, N]
+    wins = (F.one_hot(assignment, K) * present[..., None]).sum(1).float()         # points won per capsule [B, K]
+    pres_bce = F.binary_cross_entropy_with_logits(votes.l_k[..., 0], (wins > 1).float(), reduction="none")
+    u = a_kn.max(-1).values                                                       # u_b,k: [B, K]
+    C = n_classes
+    mass = posterior.reshape(B, M, K, N).sum((1, 3))                              # mass per capsule [B, K]
+    return {
+        "nll": -log_likelihood.mean(),
+        "dynamic_l2": 0.5 * votes.op_dynamic.pow(2).sum() / B,
+        "presence": (pres_bce * (wins > 0)).sum(-1).mean(),
+        "prior_within": (u.sum(1) - K / C).pow(2).mean(),
+        "prior_between": (u.sum(0) - B / C).pow(2).mean(),
+        "posterior_within": _entropy(mass, -1).mean(),
+        "posterior_between": -_entropy(mass.sum(0), -1),
+    }
+
+def ccae_loss(losses: dict, weights: dict = OFFICIAL_WEIGHTS) -> Tensor:
+    "The training loss: `nll` plus every other term times its weight (terms of weight 0 left out)."
+    return losses["nll"] + sum(weights[k] * v for k, v in losses.items() if k != "nll" and weights[k] != 0)
+
+# %% ../nbs/08_ccae.ipynb #d0874880
 OFFICIAL_MODEL = dict(dim=128, n_layers=4, n_heads=4, dim_special=32, encoder="official", background=0.01)
 OFFICIAL_TEMPLATE_INIT = 0.45   # half-width of OP_k,n's uniform init: TF's Glorot bound for [1, K, N, 6] is 0.447
 
@@ -150,10 +235,19 @@ class CCAEOutput(NamedTuple):
     object_presence: Tensor  # [B, K], a_k
     posterior: Tensor        # [B, M, K·N], p(k, n | x_m)
 
-def _entropy(p: Tensor, dim: int = -1) -> Tensor:
-    "Entropy of p normalised along `dim` (0·log 0 = 0)."
-    p = p / (p.sum(dim, keepdim=True) + 1e-8)
-    return -(p * torch.log(p.clamp_min(1e-16))).sum(dim)
+# %% ../nbs/08_ccae.ipynb #63828389
+def _with_empty_examples(out: Optional[CCAEOutput], keep: Tensor, points: Tensor, K: int, N: int) -> CCAEOutput:
+    "The CCAEOutput `out` of the examples `keep` [B] spread over the whole batch points [B, M, 2]; zeros elsewhere."
+    B, M = points.shape[:2]
+    def full(name: str, shape: tuple, dtype=points.dtype) -> Tensor:
+        t = torch.zeros(shape, dtype=dtype, device=points.device)
+        if out is not None: t[keep] = getattr(out, name).to(dtype)
+        return t
+    zero = points.new_zeros(())
+    return CCAEOutput(full("log_likelihood", (B,)), out.loss if out else zero, out.losses if out else {},
+                      full("assignment", (B, M), torch.long), full("votes", (B, K, N, 2)),
+                      full("scales", (B, K, N)), full("vote_presence", (B, K, N)),
+                      full("object_presence", (B, K)), full("posterior", (B, M, K * N)))
 
 # %% ../nbs/08_ccae.ipynb #8bd79033
 class CCAE(nn.Module):
@@ -173,14 +267,9 @@ class CCAE(nn.Module):
         unknown = set(self.weights) - set(OFFICIAL_WEIGHTS)
         if unknown: raise ValueError(f"unknown loss weights {sorted(unknown)}; known: {sorted(OFFICIAL_WEIGHTS)}")
         self.background = check_background(background)   # Eq. (7.4): the official dummy vote, or None
-        if encoder == "set_transformer":              # h^caps, Eq. (1): Chapter 5's Set Transformer
-            self.encoder = SetTransformer(2, dim_special, K, dim=dim, n_heads=n_heads, n_layers=n_layers)
-        elif encoder == "official":                   # the official constellation encoder
-            self.encoder = OfficialCapsuleEncoder(K, dim_special, dim=dim, n_heads=n_heads, n_layers=n_layers)
-        else:
-            raise ValueError(f"encoder must be 'set_transformer' or 'official', got {encoder!r}")
+        self.encoder = capsule_encoder(encoder, K, dim_special, dim, n_heads, n_layers)          # h^caps, Eq. (1)
         self.splits = [6 * N, 6, 1, N, N]            # dynamic OP params, OV params, ℓ_k, ℓ_k,n, scale params
-        self.h_part = BatchMLP(K, [dim_special, n_hidden, n_hidden, sum(self.splits)], final_bias=False)
+        self.h_part = BatchMLP(K, [dim_special, n_hidden, n_hidden, sum(self.splits)], final_bias=False)  # Eq. (2)
         self.bias = nn.Parameter(torch.zeros(K, sum(self.splits[1:])))    # bias of all but the dynamic OP part
         if not template_init > 0: raise ValueError(f"template_init must be positive, got {template_init!r}")
         # learned static OP_k,n params, uniform in ±template_init (official: OFFICIAL_TEMPLATE_INIT)
@@ -195,59 +284,17 @@ class CCAE(nn.Module):
         keep = present.any(1)                                            # examples with at least one point
         if keep.all():
             return self._forward(points, present)
-        B, M = present.shape
         out = self._forward(points[keep], present[keep]) if keep.any() else None
-        def full(name: str, shape: tuple, dtype=points.dtype) -> Tensor:
-            t = torch.zeros(shape, dtype=dtype, device=points.device)
-            if out is not None: t[keep] = getattr(out, name).to(dtype)
-            return t
-        K, N = self.K, self.N
-        zero = points.new_zeros(())
-        return CCAEOutput(full("log_likelihood", (B,)), out.loss if out else zero, out.losses if out else {},
-                          full("assignment", (B, M), torch.long), full("votes", (B, K, N, 2)),
-                          full("scales", (B, K, N)), full("vote_presence", (B, K, N)),
-                          full("object_presence", (B, K)), full("posterior", (B, M, K * N)))
+        return _with_empty_examples(out, keep, points, self.K, self.N)
 
     def _forward(self, x: Tensor, present: Tensor) -> CCAEOutput:
-        B, M, _ = x.shape
-        K, N = self.K, self.N
         c = self.encoder(x, present)                                                  # c_k, Eq. (1): [B, K, d]
-        raw = self.h_part(c)                                                          # Eq. (2): [B, K, n_out]
-        op_dynamic = raw[..., :6 * N].reshape(B, K, N, 6)                             # [B, K, N, 6]
-        ov_params, l_k, l_kn, scale_params = (raw[..., 6 * N:] + self.bias).split(self.splits[1:], -1)
-        if self.training and self.noise_scale > 0:                                    # presence-logit noise
-            l_k = l_k + (torch.rand_like(l_k) - 0.5) * self.noise_scale               # [B, K, 1]
-            l_kn = l_kn + (torch.rand_like(l_kn) - 0.5) * self.noise_scale            # [B, K, N]
-        OV = geometric_transform(ov_params, self.similarity)                          # OV_k: [B, K, 3, 3]
-        OP = geometric_transform(self.op_static + op_dynamic, self.similarity)        # OP_k,n: [B, K, N, 3, 3]
-        V = OV[:, :, None] @ OP                                                       # Eq. (3): [B, K, N, 3, 3]
-        mu = V[..., :2, 2]                                                            # μ_k,n: [B, K, N, 2]
-        lam = F.softplus(scale_params + 0.5) + 1e-2                                   # λ_k,n: [B, K, N]
-        log_a = F.logsigmoid(l_k) + F.logsigmoid(l_kn)                                # log a_k a_k,n: [B, K, N]
-        gmm = (x, present, mu.reshape(B, K * N, 2), lam.reshape(B, K * N), log_a.reshape(B, K * N))
-        log_joint = gmm_log_joint(*gmm, background=self.background)                   # terms of Eq. (7.2): [B, M, K·N(+1)]
-        ll = gmm_log_likelihood_from_joint(log_joint, present)                        # Eq. (5)/(7.4), log: [B]
-        post = gmm_posterior_from_joint(log_joint, present, K * N)                    # p(k,n | x_m): [B, M, K·N]
-        assignment = post.argmax(-1) // N                                             # [B, M]
-
-        a_kn = log_a.exp()                                                            # [B, K, N]
-        wins = (F.one_hot(assignment, K) * present[..., None]).sum(1).float()         # points won per capsule [B, K]
-        pres_bce = F.binary_cross_entropy_with_logits(l_k[..., 0], (wins > 1).float(), reduction="none")
-        u = a_kn.max(-1).values                                                       # u_b,k: [B, K]
-        C = self.n_classes
-        mass = post.reshape(B, M, K, N).sum((1, 3))                                   # mass per capsule [B, K]
-        losses = {
-            "nll": -ll.mean(),
-            "dynamic_l2": 0.5 * op_dynamic.pow(2).sum() / B,
-            "presence": (pres_bce * (wins > 0)).sum(-1).mean(),
-            "prior_within": (u.sum(1) - K / C).pow(2).mean(),
-            "prior_between": (u.sum(0) - B / C).pow(2).mean(),
-            "posterior_within": _entropy(mass, -1).mean(),
-            "posterior_between": -_entropy(mass.sum(0), -1),
-        }
-        w = self.weights
-        loss = losses["nll"] + sum(w[k] * v for k, v in losses.items() if k != "nll" and w[k] != 0)
-        return CCAEOutput(ll, loss, losses, assignment, mu, lam, a_kn, torch.sigmoid(l_k[..., 0]), post)
+        noise = self.noise_scale if self.training else 0.0                            # presence noise: training only
+        votes = capsule_votes(self.h_part(c), self.bias, self.op_static, self.similarity, noise)   # Eqs. (2)-(3)
+        ll, post, assignment = vote_mixture(x, present, votes, self.background)       # Eq. (5), (7.3)
+        losses = ccae_losses(votes, ll, post, assignment, present, self.n_classes)
+        return CCAEOutput(ll, ccae_loss(losses, self.weights), losses, assignment, votes.mu, votes.lam,
+                          votes.log_a.exp(), torch.sigmoid(votes.l_k[..., 0]), post)
 
 # %% ../nbs/08_ccae.ipynb #d6eedb22
 @torch.no_grad()
@@ -299,6 +346,7 @@ def ccae_task(model: CCAE, batch_size: int = 32, lr: float = 1e-4, seed: int = 0
                 evaluate=lambda m: {k: v for k, v in evaluate_ccae(m, eval_n, batch_size).items() if k != "n"},
                 resume_command=resume_command or "train_ccae(..., resume=True)")
 
+# %% ../nbs/08_ccae.ipynb #810ee02e
 def train_ccae(model: CCAE, steps: int, batch_size: int = 32, lr: float = 1e-4, seed: int = 0,
                optimizer: str = "rmsprop", out: Optional[Union[str, os.PathLike]] = None, resume: bool = False,
                max_minutes: Optional[float] = None, checkpoint_every: int = 1000, checkpoint_minutes: float = 10.0,
@@ -350,6 +398,7 @@ def plot_ccae(batch: Constellations, out: CCAEOutput, n_examples: int = 5):
     fig.tight_layout()
     return fig
 
+# %% ../nbs/08_ccae.ipynb #8c689991
 def plot_ccae_history(histories: Union[list[dict], dict[str, list[dict]]]):
     "Training curves of one `train_ccae` history or a dict name -> history: −log-likelihood; accuracy. Returns the Figure."
     import matplotlib.pyplot as plt

@@ -22,28 +22,34 @@ from .losses import MarginLoss, reconstruction_loss
 from .fourier_conv import fourier_conv2d, kernel_spectrum
 from .routing import Router
 from .squash import squash
-from .train import EpochStream, RunResult, Task, UserError, all_sum, fit, init_distributed, load_checkpoint
+from .train import (EpochStream, RunResult, Task, UserError, all_sum, fit,
+                                init_distributed, load_checkpoint)
 
 # %% ../nbs/04_capsnet.ipynb #e9cbc12b
 class PrimaryCaps(nn.Module):
-    "Convolutional capsules: features [B,C,H,W] -> squashed capsules u [B, n_types*H'*W', d] (official layout)."
-    def __init__(self, in_channels: int = 256, n_types: int = 32, d: int = 8, kernel_size: int = 9, stride: int = 2,
-                 conv_impl: str = "auto"):
+    """Convolutional capsules: features [B,C,H,W] -> squashed capsules u
+    [B, n_types*H'*W', d] (official layout)."""
+    def __init__(self, in_channels: int = 256, n_types: int = 32, d: int = 8, kernel_size: int = 9,
+                 stride: int = 2, conv_impl: str = "auto"):
         super().__init__()
         if conv_impl not in ("auto", "direct", "fourier"):
             raise ValueError(f"conv_impl must be 'auto', 'direct' or 'fourier', got {conv_impl!r}")
         self.n_types, self.d, self.conv_impl = n_types, d, conv_impl
         self.conv = nn.Conv2d(in_channels, n_types * d, kernel_size, stride=stride)
-        self._spectrum = None                                    # (key, kernel spectrum), kept while no grad is recorded
+        # (key, kernel spectrum), kept while no grad is recorded
+        self._spectrum = None
 
     def convolve(self, x: Tensor) -> Tensor:
-        "self.conv(x); on the CPU ('auto') through the Fourier form of Appendix E: same weights, same values to round-off."
-        if not (self.conv_impl == "fourier" or (self.conv_impl == "auto" and x.device.type == "cpu")):
+        """self.conv(x); on the CPU ('auto') through the Fourier form of Appendix E: same
+        weights, same values to round-off."""
+        if not (self.conv_impl == "fourier"
+                or (self.conv_impl == "auto" and x.device.type == "cpu")):
             return self.conv(x)
         w, spectrum = self.conv.weight, None
         if torch.is_grad_enabled():
             self._spectrum = None
-        else:                                                    # evaluation: the kernels' spectrum once per weights
+        else:
+            # evaluation: the kernels' spectrum once per weights
             key = (w.data_ptr(), w._version, tuple(x.shape[-2:]), x.dtype, x.device)
             if self._spectrum is None or self._spectrum[0] != key:
                 self._spectrum = (key, kernel_spectrum(w.detach(), *x.shape[-2:]))
@@ -53,24 +59,28 @@ class PrimaryCaps(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         s = self.convolve(x)                                     # [B, 32*8, 6, 6]
         B, _, H, W = s.shape
-        s = s.view(B, self.n_types, self.d, H, W)                # [B, 32, 8, 6, 6]: type t owns maps 8t..8t+7
+        # [B, 32, 8, 6, 6]: type t owns maps 8t..8t+7
+        s = s.view(B, self.n_types, self.d, H, W)
         s = s.permute(0, 1, 3, 4, 2).reshape(B, -1, self.d)     # [B, 1152, 8], i = 36 t + 6 y + x
         return squash(s, dim=-1)                                 # u_i, Eq. (1)
 
 # %% ../nbs/04_capsnet.ipynb #917b0777
 class CapsNetOutput(NamedTuple):
-    "What `CapsNet` returns: digit capsules [B,10,16], reconstructions [B,1,28,28], predictions [B]."
+    """What `CapsNet` returns: digit capsules [B,10,16],
+    reconstructions [B,1,28,28], predictions [B]."""
     caps: Tensor
     reconstructions: Tensor
     predictions: Tensor
 
 def mask_capsules(caps: Tensor, index: Tensor) -> Tensor:
-    "Keep only capsule `index[b]` of each `caps[b]` [B,J,D] (others set to 0); returns [B, J*D] for the decoder."
+    """Keep only capsule `index[b]` of each `caps[b]` [B,J,D] (others set to 0);
+    returns [B, J*D] for the decoder."""
     keep = F.one_hot(index, caps.shape[1]).to(caps.dtype)     # [B, J]
     return (caps * keep[:, :, None]).flatten(1)               # [B, J*D]
 
 class CapsNet(nn.Module):
-    "Sabour et al. (2017): Conv1 -> PrimaryCaps (1152 x 8-D) -> DigitCaps (10 x 16-D, routing) -> decoder."
+    """Sabour et al. (2017): Conv1 -> PrimaryCaps (1152 x 8-D) -> DigitCaps
+    (10 x 16-D, routing) -> decoder."""
     def __init__(self, routing_iterations: int = 3, n_classes: int = 10, conv_impl: str = "auto"):
         super().__init__()
         self.n_classes = n_classes
@@ -82,12 +92,14 @@ class CapsNet(nn.Module):
                                      nn.Linear(1024, 784), nn.Sigmoid())
 
     def capsules(self, images: Tensor, return_coupling: bool = False):
-        "Digit capsules v [B,10,16] of `images` [B,1,28,28] (and the coupling coefficients c [B,1152,10] if asked)."
+        """Digit capsules v [B,10,16] of `images` [B,1,28,28]
+        (and the coupling coefficients c [B,1152,10] if asked)."""
         if images.dim() != 4 or tuple(images.shape[1:]) != (1, 28, 28):
-            raise ValueError(f"CapsNet expects images of shape [B,1,28,28], got {list(images.shape)}")
+            raise ValueError("CapsNet expects images of shape [B,1,28,28], got "
+                             f"{list(images.shape)}")
         if not images.dtype.is_floating_point:
-            raise TypeError(f"CapsNet expects float images in [0, 1], got {images.dtype}: convert with "
-                            "images.float() / 255")
+            raise TypeError(f"CapsNet expects float images in [0, 1], got {images.dtype}: convert "
+                            "with images.float() / 255")
         u = self.primary_caps(F.relu(self.conv1(images), inplace=True))  # [B, 1152, 8]
         return self.digit_caps(u, return_coupling=return_coupling)  # [B, 10, 16] (, [B, 1152, 10])
 
@@ -96,27 +108,33 @@ class CapsNet(nn.Module):
         return self.decoder(mask_capsules(caps, index)).view(-1, 1, 28, 28)
 
     def forward(self, images: Tensor, labels: Optional[Tensor] = None) -> CapsNetOutput:
-        "Capsules, reconstructions (masked by `labels` in training mode, else by the prediction) and predictions."
+        """Capsules, reconstructions (masked by `labels` in training mode, else by
+        the prediction) and predictions."""
         caps = self.capsules(images)                               # [B, 10, 16]
         predictions = (caps * caps).sum(-1).argmax(-1)             # the longest capsule, [B]
         index = labels if (self.training and labels is not None) else predictions
         return CapsNetOutput(caps, self.reconstruct(caps, index), predictions)
 
 # %% ../nbs/04_capsnet.ipynb #a00d6634
-def capsnet_loss(out: CapsNetOutput, images: Tensor, labels: Tensor, margin: Optional[nn.Module] = None,
+def capsnet_loss(out: CapsNetOutput, images: Tensor, labels: Tensor,
+                 margin: Optional[nn.Module] = None,
                  recon_weight: float = 0.0005) -> tuple[Tensor, Tensor, Tensor]:
-    "Total loss = margin loss (Eq. 4) + recon_weight * summed squared reconstruction error; returns (total, margin, recon)."
+    """Total loss = margin loss (Eq. 4) + recon_weight * summed squared reconstruction error;
+    returns (total, margin, recon)."""
     margin = margin if margin is not None else MarginLoss(out.caps.shape[1])
     l_margin = margin(out.caps, labels)                             # scalar, mean over the batch
-    l_recon = reconstruction_loss(out.reconstructions, images)      # scalar, sum over pixels, mean over the batch
+    # scalar, sum over pixels, mean over the batch
+    l_recon = reconstruction_loss(out.reconstructions, images)
     return l_margin + recon_weight * l_recon, l_margin, l_recon
 
 # %% ../nbs/04_capsnet.ipynb #9124fa8c
 @dataclass
 class TrainConfig:
-    "Settings of a CapsNet run on MNIST; the defaults are the paper's (batch 128, 3 iterations, shifts of 2 pixels)."
+    """Settings of a CapsNet run on MNIST; the defaults are the paper's
+    (batch 128, 3 iterations, shifts of 2 pixels)."""
     epochs: int = 1                       # the length of the run, unless steps is given
-    steps: Optional[int] = None           # optimiser steps in all (default: epochs × batches per epoch)
+    # optimiser steps in all (default: epochs × batches per epoch)
+    steps: Optional[int] = None
     batch_size: int = 128                 # per process
     routing_iterations: int = 3
     lr: float = 1e-3
@@ -127,12 +145,14 @@ class TrainConfig:
     max_shift: int = 2
     limit_train: Optional[int] = None
     limit_test: Optional[int] = None
-    sample: bool = False                  # the MNIST sample shipped with the package (2,000 / 1,000 digits)
+    # the MNIST sample shipped with the package (2,000 / 1,000 digits)
+    sample: bool = False
     seed: int = 0
     eval_batch_size: int = 500
     data_root: Optional[str] = None
     device: Optional[str] = None          # None: cuda, else mps, else cpu
-    out: Optional[str] = None             # the run's folder (last.pt, metrics.jsonl); None writes nothing
+    # the run's folder (last.pt, metrics.jsonl); None writes nothing
+    out: Optional[str] = None
     resume: bool = False
     progress: bool = True
     max_minutes: Optional[float] = None   # checkpoint and stop before this many minutes
@@ -143,71 +163,84 @@ class TrainConfig:
     eval_every: Optional[int] = None      # default: once an epoch (and at the end)
 
 # the settings that define a run: a checkpoint made with other values is refused on resume
-CAPSNET_RUN_KEYS = ("batch_size", "routing_iterations", "lr", "decay_rate", "decay_steps", "min_lr", "recon_weight",
-                    "max_shift", "limit_train", "limit_test", "sample", "seed")
+CAPSNET_RUN_KEYS = ("batch_size", "routing_iterations", "lr", "decay_rate", "decay_steps", "min_lr",
+                    "recon_weight", "max_shift", "limit_train", "limit_test", "sample", "seed")
 
-def lr_factor(step: int, decay_rate: float = 0.96, decay_steps: int = 2000, floor: float = 1e-3) -> float:
+def lr_factor(step: int, decay_rate: float = 0.96, decay_steps: int = 2000,
+              floor: float = 1e-3) -> float:
     "η(step)/η(0) of Eq. (4.1): decay_rate**(step/decay_steps), at least `floor`."
     return max(decay_rate ** (step / decay_steps), floor)
 
 # %% ../nbs/04_capsnet.ipynb #e0b3bf85
 @torch.no_grad()
 def evaluate(model: CapsNet, batches: MNISTBatches, world: int = 1) -> dict:
-    "Test accuracy, error and mean margin loss of `model` (masking by prediction) over `batches`, summed over ranks."
+    """Test accuracy, error and mean margin loss of `model` (masking by prediction)
+    over `batches`, summed over ranks."""
     was_training = model.training
     model.eval()
     margin = MarginLoss(model.n_classes)
     sums = torch.zeros(3, dtype=torch.float64, device=batches.device)     # [loss * n, correct, n]
     for x, y in batches:
         out = model(x)
-        sums += torch.stack([margin(out.caps, y).double() * len(y), (out.predictions == y).sum().double(),
+        sums += torch.stack([margin(out.caps, y).double() * len(y),
+                             (out.predictions == y).sum().double(),
                              torch.tensor(float(len(y)), dtype=torch.float64, device=sums.device)])
     model.train(was_training)
     loss_n, correct, n = all_sum(sums, world).tolist()
     return {"accuracy": correct / n, "error": 1 - correct / n, "loss": loss_n / n, "n": int(n)}
 
 # %% ../nbs/04_capsnet.ipynb #45c1ff91
-def capsnet_task(cfg: TrainConfig, rank: int = 0, world: int = 1, device: Union[str, torch.device] = "cpu",
+def capsnet_task(cfg: TrainConfig, rank: int = 0, world: int = 1,
+                 device: Union[str, torch.device] = "cpu",
                  resume_command: str = "") -> tuple[Task, int]:
-    "The engine's task for a CapsNet run (model, Adam, Eq. 4.1, shifted batches, loss, test) and the batches per epoch."
+    """The engine's task for a CapsNet run (model, Adam, Eq. 4.1, shifted batches, loss,
+    test) and the batches per epoch."""
     torch.manual_seed(cfg.seed)
     model = CapsNet(cfg.routing_iterations).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     x_tr, y_tr = load_mnist(True, root=cfg.data_root, limit=cfg.limit_train, sample=cfg.sample)
     x_te, y_te = load_mnist(False, root=cfg.data_root, limit=cfg.limit_test, sample=cfg.sample)
-    train = MNISTBatches(x_tr, y_tr, cfg.batch_size, shuffle=True, max_shift=cfg.max_shift, seed=cfg.seed,
-                         rank=rank, world_size=world, device=device)
-    test = MNISTBatches(x_te, y_te, cfg.eval_batch_size, rank=rank, world_size=world, pad=False, device=device)
+    train = MNISTBatches(x_tr, y_tr, cfg.batch_size, shuffle=True, max_shift=cfg.max_shift,
+                         seed=cfg.seed, rank=rank, world_size=world, device=device)
+    test = MNISTBatches(x_te, y_te, cfg.eval_batch_size, rank=rank, world_size=world, pad=False,
+                        device=device)
     margin = MarginLoss(model.n_classes)
 
     def loss(net: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, dict]:
         x, y = batch
-        out = net(x, y)                                                 # reconstructions masked by the label
+        # reconstructions masked by the label
+        out = net(x, y)
         total, l_margin, _ = capsnet_loss(out, x, y, margin, cfg.recon_weight)
-        return total, {"margin": l_margin.detach(), "accuracy": (out.predictions == y).float().mean()}
+        return (total,
+                {"margin": l_margin.detach(), "accuracy": (out.predictions == y).float().mean()})
 
     config = {**{k: getattr(cfg, k) for k in CAPSNET_RUN_KEYS}, "world_size": world}
-    eta = lambda s: cfg.lr * lr_factor(s, cfg.decay_rate, cfg.decay_steps, cfg.min_lr / cfg.lr)   # Eq. (4.1)
+    # Eq. (4.1)
+    eta = lambda s: cfg.lr * lr_factor(s, cfg.decay_rate, cfg.decay_steps, cfg.min_lr / cfg.lr)
     task = Task("capsnet", config, model, opt, EpochStream(train), loss, eta,
                 evaluate=lambda m: evaluate(m, test, world), ddp=True,
                 resume_command=resume_command or "train_capsnet(TrainConfig(..., resume=True))")
     return task, len(train)
 
 def train_capsnet(cfg: TrainConfig, resume_command: str = "") -> RunResult:
-    "Train CapsNet on MNIST as `cfg` says, through the engine (one process, or every process under torchrun)."
+    """Train CapsNet on MNIST as `cfg` says, through the engine
+    (one process, or every process under torchrun)."""
     rank, world, device, created = init_distributed(cfg.device)
     try:
         task, per_epoch = capsnet_task(cfg, rank, world, device, resume_command)
         steps = cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
-        return fit(task, steps, out=cfg.out, resume=cfg.resume, max_minutes=cfg.max_minutes, stop_at=cfg.stop_at,
-                   checkpoint_every=cfg.checkpoint_every, checkpoint_minutes=cfg.checkpoint_minutes,
-                   log_every=cfg.log_every, eval_every=cfg.eval_every or per_epoch, progress=cfg.progress,
-                   rank=rank, world=world)
+        return fit(task, steps, out=cfg.out, resume=cfg.resume, max_minutes=cfg.max_minutes,
+                   stop_at=cfg.stop_at, checkpoint_every=cfg.checkpoint_every,
+                   checkpoint_minutes=cfg.checkpoint_minutes, log_every=cfg.log_every,
+                   eval_every=cfg.eval_every or per_epoch, progress=cfg.progress, rank=rank,
+                   world=world)
     finally:
         if created: torch.distributed.destroy_process_group()
 
-def load_capsnet(path: Union[str, Path], device: Union[str, torch.device] = "cpu") -> tuple[CapsNet, dict]:
-    "The CapsNet of a run's checkpoint (eval mode, on `device`) and the checkpoint; another model's is refused."
+def load_capsnet(path: Union[str, Path],
+                 device: Union[str, torch.device] = "cpu") -> tuple[CapsNet, dict]:
+    """The CapsNet of a run's checkpoint (eval mode, on `device`) and the
+    checkpoint; another model's is refused."""
     ck = load_checkpoint(path, map_location=device)
     if ck.get("task") != "capsnet":
         raise UserError(f"{path} holds a {ck.get('task', 'unknown')} checkpoint, not a CapsNet one")
@@ -218,7 +251,8 @@ def load_capsnet(path: Union[str, Path], device: Union[str, torch.device] = "cpu
 # %% ../nbs/04_capsnet.ipynb #e7ec593e
 @torch.no_grad()
 def plot_reconstructions(model: CapsNet, images: Tensor, labels: Tensor):
-    "Inputs [N,1,28,28] (top row) and their reconstructions from the predicted capsule (below); returns the Figure."
+    """Inputs [N,1,28,28] (top row) and their reconstructions from the predicted
+    capsule (below); returns the Figure."""
     import matplotlib.pyplot as plt
     model.eval()
     out = model(images)
@@ -228,7 +262,8 @@ def plot_reconstructions(model: CapsNet, images: Tensor, labels: Tensor):
     fig, axes = plt.subplots(rows, n, figsize=(1.2 * n, 1.35 * rows), squeeze=False)
     from_label = model.reconstruct(out.caps, labels)
     for k in range(n):
-        panels = [(images[k], f"label {labels[k].item()}"), (out.reconstructions[k], f"pred {out.predictions[k].item()}")]
+        panels = [(images[k], f"label {labels[k].item()}"),
+                  (out.reconstructions[k], f"pred {out.predictions[k].item()}")]
         if wrong: panels.append((from_label[k], f"from {labels[k].item()}" if k in wrong else ""))
         for r, (img, title) in enumerate(panels):
             ax = axes[r, k]
@@ -243,13 +278,15 @@ def plot_reconstructions(model: CapsNet, images: Tensor, labels: Tensor):
 # %% ../nbs/04_capsnet.ipynb #fc8b299e
 @torch.no_grad()
 def perturb_capsule(model: CapsNet, image: Tensor, deltas: Optional[Tensor] = None) -> Tensor:
-    "Decode the predicted capsule of `image` [1,28,28] with each of its D dims shifted by each delta: [D, n_deltas, 28, 28]."
+    """Decode the predicted capsule of `image` [1,28,28] with each of its D dims shifted by
+    each delta: [D, n_deltas, 28, 28]."""
     model.eval()
     deltas = torch.arange(-0.25, 0.2501, 0.05) if deltas is None else deltas
     caps = model.capsules(image[None])                             # [1, 10, D]
     j = (caps * caps).sum(-1).argmax(-1)                           # the predicted digit
     D = caps.shape[-1]
-    bumps = torch.eye(D, device=caps.device)[:, None, :] * deltas.to(caps)[None, :, None]  # [D, n_deltas, D]
+    # [D, n_deltas, D]
+    bumps = torch.eye(D, device=caps.device)[:, None, :] * deltas.to(caps)[None, :, None]
     tweaked = caps.expand(D * len(deltas), -1, -1).clone()        # [D*n_deltas, 10, D]
     tweaked[:, j.item()] += bumps.reshape(-1, D)
     index = j.expand(len(tweaked))
@@ -275,30 +312,36 @@ def plot_perturbations(model: CapsNet, image: Tensor, deltas: Optional[Tensor] =
 # %% ../nbs/04_capsnet.ipynb #2fba933c
 @torch.no_grad()
 def coupling_summary(model: CapsNet, images: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    "Length-weighted coupling per digit c̄ [B,10], its map for the predicted digit [B,6,6], and the predictions [B]."
+    """Length-weighted coupling per digit c̄ [B,10], its map for the predicted digit
+    [B,6,6], and the predictions [B]."""
     model.eval()
     u = model.primary_caps(F.relu(model.conv1(images)))              # [B, 1152, 8]
     v, c = model.digit_caps(u, return_coupling=True)                 # [B, 10, 16], [B, 1152, 10]
     w = u.norm(dim=-1)                                               # ‖u_i‖, [B, 1152]
     c_bar = (w[:, :, None] * c).sum(1) / w.sum(1, keepdim=True)      # [B, 10], sums to 1
     pred = v.norm(dim=-1).argmax(-1)                                 # [B]
-    c_pred = c.gather(2, pred[:, None, None].expand(-1, c.shape[1], 1))[..., 0]   # c_{i, pred}, [B, 1152]
+    # c_{i, pred}, [B, 1152]
+    c_pred = c.gather(2, pred[:, None, None].expand(-1, c.shape[1], 1))[..., 0]
     wm, cm = w.view(-1, 32, 6, 6), (w * c_pred).view(-1, 32, 6, 6)   # i = 36 t + 6 y + x
     return c_bar, cm.sum(1) / wm.sum(1).clamp_min(1e-12), pred
 
 def plot_coupling(model: CapsNet, images: Tensor):
-    "Per image: the digit, c̄_j − 1/10 per class, and c_{i,pred} − 1/10 on the 6x6 grid (red: above uniform); the Figure."
+    """Per image: the digit, c̄_j − 1/10 per class, and c_{i,pred} − 1/10 on the 6x6 grid
+    (red: above uniform); the Figure."""
     import matplotlib.pyplot as plt
     c_bar, c_map, pred = (t.cpu() for t in coupling_summary(model, images))
     n, J = len(images), c_bar.shape[1]
-    d_bar, d_map = c_bar - 1 / J, c_map - 1 / J                          # departures from uniform routing
+    # departures from uniform routing
+    d_bar, d_map = c_bar - 1 / J, c_map - 1 / J
     top = max(d_bar.abs().max().item(), d_map.abs().max().item(), 1e-4) * 1.1
-    fig, axes = plt.subplots(n, 3, figsize=(7, 1.6 * n), gridspec_kw=dict(width_ratios=[1, 2.6, 1.3]), squeeze=False)
+    fig, axes = plt.subplots(n, 3, figsize=(7, 1.6 * n),
+                             gridspec_kw=dict(width_ratios=[1, 2.6, 1.3]), squeeze=False)
     for k in range(n):
         axes[k, 0].imshow(images[k, 0].cpu(), cmap="gray"); axes[k, 0].axis("off")
         axes[k, 1].bar(range(J), d_bar[k], color=["C3" if j == pred[k] else "C0" for j in range(J)])
         axes[k, 1].axhline(0, color="k", lw=0.6)
-        axes[k, 1].set_xticks(range(J)); axes[k, 1].set_ylim(-top, top); axes[k, 1].tick_params(labelsize=7)
+        axes[k, 1].set_xticks(range(J)); axes[k, 1].set_ylim(-top, top)
+        axes[k, 1].tick_params(labelsize=7)
         im = axes[k, 2].imshow(d_map[k], cmap="RdBu_r", vmin=-top, vmax=top); axes[k, 2].axis("off")
         axes[k, 2].set_title(f"c to {pred[k].item()}, by position", fontsize=7)
     axes[0, 1].set_title(r"$\bar c_j - 1/10$ (red: the prediction)", fontsize=8)
@@ -307,8 +350,10 @@ def plot_coupling(model: CapsNet, images: Tensor):
 
 # %% ../nbs/04_capsnet.ipynb #025d31cc
 @torch.no_grad()
-def routing_statistics(model: CapsNet, images: Tensor, labels: Tensor, batch_size: int = 250) -> dict:
-    "Per test digit [N] and primary capsule [1152]: couplings after 1..r iterations, summarised; see the chapter."
+def routing_statistics(model: CapsNet, images: Tensor, labels: Tensor,
+                       batch_size: int = 250) -> dict:
+    """Per test digit [N] and primary capsule [1152]: couplings after 1..r
+    iterations, summarised; see the chapter."""
     model.eval()
     r = model.digit_caps.iterations
     keys = ("max_c", "entropy", "change", "last_step", "to_true", "to_other", "weight")
@@ -318,18 +363,23 @@ def routing_statistics(model: CapsNet, images: Tensor, labels: Tensor, batch_siz
             x, y = images[s:s + batch_size], labels[s:s + batch_size]
             u = model.primary_caps(F.relu(model.conv1(x)))               # u_i: [B, 1152, 8]
             cs = []
-            for t in range(1, r + 1):                                     # c^(t): routing stopped after t iterations
+            # c^(t): routing stopped after t iterations
+            for t in range(1, r + 1):
                 model.digit_caps.iterations = t
                 cs.append(model.digit_caps(u, return_coupling=True)[1])   # [B, 1152, 10]
             c = cs[-1]
             J = c.shape[-1]
-            true = c.gather(2, y[:, None, None].expand(-1, c.shape[1], 1))[..., 0]     # c_{i,y}: [B, 1152]
+            # c_{i,y}: [B, 1152]
+            true = c.gather(2, y[:, None, None].expand(-1, c.shape[1], 1))[..., 0]
             out["max_c"].append(c.max(-1).values)
             out["entropy"].append(-(c * c.clamp_min(1e-30).log()).sum(-1))
-            out["change"].append((c - cs[0]).abs().sum(-1) / 2)           # total variation from c^(1)
-            out["last_step"].append((c - cs[-2]).abs().sum(-1) / 2 if r > 1 else torch.zeros_like(true))
+            # total variation from c^(1)
+            out["change"].append((c - cs[0]).abs().sum(-1) / 2)
+            out["last_step"].append((c - cs[-2]).abs().sum(-1) / 2 if r > 1
+                                    else torch.zeros_like(true))
             out["to_true"].append(true)
-            out["to_other"].append((1 - true) / (J - 1))                   # the mean of the other nine
+            # the mean of the other nine
+            out["to_other"].append((1 - true) / (J - 1))
             out["weight"].append(u.norm(dim=-1))                           # ‖u_i‖
     finally:
         model.digit_caps.iterations = r
@@ -339,22 +389,27 @@ def routing_statistics(model: CapsNet, images: Tensor, labels: Tensor, batch_siz
 
 def summarise_routing(stats: dict) -> dict:
     "The ‖u_i‖-weighted means of `routing_statistics` over capsules and digits, and per true digit."
-    w = stats["weight"] / stats["weight"].sum(1, keepdim=True)           # [N, 1152], each row sums to 1
+    # [N, 1152], each row sums to 1
+    w = stats["weight"] / stats["weight"].sum(1, keepdim=True)
     mean = lambda t: (w * t).sum(1)                                       # per digit: [N]
-    res = {k: mean(stats[k]).mean().item() for k in ("max_c", "entropy", "change", "last_step", "to_true", "to_other")}
+    res = {k: mean(stats[k]).mean().item()
+           for k in ("max_c", "entropy", "change", "last_step", "to_true", "to_other")}
     res["by_digit"] = {d: (mean(stats["to_true"])[stats["label"] == d].mean().item(),
-                           mean(stats["to_other"])[stats["label"] == d].mean().item()) for d in range(10)}
+                           mean(stats["to_other"])[stats["label"] == d].mean().item())
+                       for d in range(10)}
     return res
 
 # %% ../nbs/04_capsnet.ipynb #f40c8276
 def plot_routing_statistics(stats: dict, title: str = ""):
-    "Four panels of `routing_statistics`: max_j c_ij, the entropy, the change from uniform, the coupling by digit."
+    """Four panels of `routing_statistics`: max_j c_ij, the entropy, the change from
+    uniform, the coupling by digit."""
     import matplotlib.pyplot as plt
     w = (stats["weight"] / stats["weight"].sum(1, keepdim=True)).flatten().cpu()
     fig, ax = plt.subplots(1, 4, figsize=(13, 2.9))
     for a, key, xlabel, ref in ((ax[0], "max_c", r"$\max_j c_{ij}$", 0.1),
                                 (ax[1], "entropy", r"entropy of $c_{i\cdot}$ (nats)", math.log(10)),
-                                (ax[2], "change", r"$\frac{1}{2}\sum_j |c^{(3)}_{ij} - c^{(1)}_{ij}|$", 0.0)):
+                                (ax[2], "change",
+                                 r"$\frac{1}{2}\sum_j |c^{(3)}_{ij} - c^{(1)}_{ij}|$", 0.0)):
         a.hist(stats[key].flatten().cpu(), bins=60, weights=w, color="C0")
         a.axvline(ref, color="C3", lw=1, ls="--")
         a.set(xlabel=xlabel, yscale="log", yticks=[])
@@ -363,10 +418,13 @@ def plot_routing_statistics(stats: dict, title: str = ""):
     ax[2].set_title("how far routing moved c", fontsize=8)
     s = summarise_routing(stats)
     digits = range(10)
-    ax[3].bar([d - 0.2 for d in digits], [s["by_digit"][d][0] for d in digits], 0.4, label="true class", color="C3")
-    ax[3].bar([d + 0.2 for d in digits], [s["by_digit"][d][1] for d in digits], 0.4, label="mean of the others")
+    ax[3].bar([d - 0.2 for d in digits], [s["by_digit"][d][0] for d in digits], 0.4,
+              label="true class", color="C3")
+    ax[3].bar([d + 0.2 for d in digits], [s["by_digit"][d][1] for d in digits], 0.4,
+              label="mean of the others")
     ax[3].axhline(0.1, color="k", lw=0.6)
-    ax[3].set(xticks=list(digits), xlabel="digit", ylim=(0.09, 0.11), title="coupling, weighted by ‖u_i‖")
+    ax[3].set(xticks=list(digits), xlabel="digit", ylim=(0.09, 0.11),
+              title="coupling, weighted by ‖u_i‖")
     ax[3].title.set_fontsize(8); ax[3].legend(fontsize=7)
     if title: fig.suptitle(title, fontsize=9)
     fig.tight_layout()

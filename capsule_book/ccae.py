@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .constellations import Constellations, make_constellations
-from .gmm import check_background, gmm_log_joint, gmm_log_likelihood, gmm_log_likelihood_from_joint, gmm_posterior_from_joint
+from .gmm import (check_background, gmm_log_joint, gmm_log_likelihood,
+                              gmm_log_likelihood_from_joint, gmm_posterior_from_joint)
 from .set_transformer import SAB, Multihead, SetTransformer, _check_mask, _check_set
 from .train import RunResult, SyntheticStream, Task, UserError, fit, load_checkpoint
 
@@ -31,56 +32,71 @@ from scipy.optimize import linear_sum_assignment
 
 # %% ../nbs/08_ccae.ipynb #71018316
 def segmentation_accuracy(assignment: Tensor, pattern_id: Tensor, presence: Tensor,
-                          n_capsules: Optional[int] = None, n_patterns: Optional[int] = None) -> float:
-    "Fraction of present points whose capsule (assignment [B,M]) matches their object (pattern_id [B,M]) under the best one-to-one matching per example."
+                          n_capsules: Optional[int] = None,
+                          n_patterns: Optional[int] = None) -> float:
+    """Fraction of present points whose capsule (assignment [B,M]) matches their object
+    (pattern_id [B,M]) under the best one-to-one matching per example."""
     if not (assignment.shape == pattern_id.shape == presence.shape) or assignment.dim() != 2:
-        raise ValueError(f"assignment, pattern_id and presence must all be [B, M], got {tuple(assignment.shape)}, "
-                         f"{tuple(pattern_id.shape)} and {tuple(presence.shape)}")
+        raise ValueError("assignment, pattern_id and presence must all be [B, M], got "
+                         f"{tuple(assignment.shape)}, {tuple(pattern_id.shape)} and "
+                         f"{tuple(presence.shape)}")
     a, y, p = (t.detach().cpu().long().numpy() for t in (assignment, pattern_id, presence))
     p = p.astype(bool)
     K = int(n_capsules if n_capsules is not None else a.max() + 1)
     J = int(n_patterns if n_patterns is not None else y.max() + 1)
     B = a.shape[0]
     b_idx = np.broadcast_to(np.arange(B)[:, None], a.shape)
-    counts = np.zeros((B, J, K), dtype=np.int64)                      # n_jk per example, present points only
+    # n_jk per example, present points only
+    counts = np.zeros((B, J, K), dtype=np.int64)
     np.add.at(counts, (b_idx[p], y[p], a[p]), 1)
-    if J > K: counts = counts.transpose(0, 2, 1)                      # match the smaller side into the larger
+    # match the smaller side into the larger
+    if J > K: counts = counts.transpose(0, 2, 1)
     rows, cols = counts.shape[1:]
-    if math.perm(cols, rows) <= 720:                                  # every one-to-one map at once (3 x 3: 6 maps)
+    # every one-to-one map at once (3 x 3: 6 maps)
+    if math.perm(cols, rows) <= 720:
         maps = np.array(list(itertools.permutations(range(cols), rows)))              # [P, rows]
-        correct = int(counts[:, np.arange(rows), maps].sum(-1).max(-1).sum())          # [B, P, rows] -> best map
-    else:                                                             # the Hungarian algorithm, example by example
+        # [B, P, rows] -> best map
+        correct = int(counts[:, np.arange(rows), maps].sum(-1).max(-1).sum())
+    else:
+        # the Hungarian algorithm, example by example
         correct = sum(int(n[linear_sum_assignment(n, maximize=True)].sum()) for n in counts)
     total = int(p.sum())
     return correct / total if total else float("nan")
 
 # %% ../nbs/08_ccae.ipynb #bf024d24
-def segmentation_report(assignment: Tensor, pattern_id: Tensor, presence: Tensor, n_capsules: int) -> dict:
-    "`segmentation_accuracy` and its floor (every point in one capsule), over all examples and over those with c objects present (keys `_{c}_objects`)."
+def segmentation_report(assignment: Tensor, pattern_id: Tensor, presence: Tensor,
+                        n_capsules: int) -> dict:
+    """`segmentation_accuracy` and its floor (every point in one capsule), over all examples and
+    over those with c objects present (keys `_{c}_objects`)."""
     a, y, p = assignment.cpu(), pattern_id.cpu(), presence.cpu().bool()
     floor = torch.zeros_like(a)                                        # every point in capsule 0
     res = {"accuracy": segmentation_accuracy(a, y, p, n_capsules),
            "one_capsule_baseline": segmentation_accuracy(floor, y, p, n_capsules)}
-    n_objects = torch.stack([((y == j) & p).any(1) for j in range(int(y.max()) + 1)], 1).sum(1)  # [B]
+    # [B]
+    n_objects = torch.stack([((y == j) & p).any(1) for j in range(int(y.max()) + 1)], 1).sum(1)
     for c in range(1, int(n_objects.max()) + 1):
         sel = n_objects == c
         for key, assigned in (("accuracy", a), ("one_capsule_baseline", floor)):
-            res[f"{key}_{c}_objects"] = (segmentation_accuracy(assigned[sel], y[sel], p[sel], n_capsules)
+            res[f"{key}_{c}_objects"] = (segmentation_accuracy(assigned[sel], y[sel], p[sel],
+                                                               n_capsules)
                                          if sel.any() else float("nan"))
     return res
 
 # %% ../nbs/08_ccae.ipynb #a4b228bb
 class OfficialCapsuleEncoder(nn.Module):
-    "The official h^caps: Linear(2→dim), SABs, Linear(dim→dim_out), K learned queries read the points by one multi-head attention; [B,M,2] → [B,K,dim_out]."
-    def __init__(self, n_outputs: int, dim_out: int, dim: int = 128, n_heads: int = 4, n_layers: int = 4, dim_in: int = 2):
+    """The official h^caps: Linear(2→dim), SABs, Linear(dim→dim_out), K learned queries read the
+    points by one multi-head attention; [B,M,2] → [B,K,dim_out]."""
+    def __init__(self, n_outputs: int, dim_out: int, dim: int = 128, n_heads: int = 4,
+                 n_layers: int = 4, dim_in: int = 2):
         super().__init__()
         if dim % n_heads or dim_out % n_heads:
-            raise ValueError(f"dim and dim_out must be multiples of n_heads, got dim={dim}, dim_out={dim_out}, "
-                             f"n_heads={n_heads}")
+            raise ValueError(f"dim and dim_out must be multiples of n_heads, got dim={dim}, "
+                             f"dim_out={dim_out}, n_heads={n_heads}")
         self.embed = nn.Linear(dim_in, dim)                                           # x W_in
         self.sabs = nn.ModuleList([SAB(dim, dim, n_heads) for _ in range(n_layers)])
         self.z = nn.Linear(dim, dim_out)                                              # Z W
-        self.queries = nn.Parameter(torch.empty(1, n_outputs, dim_out))              # Q: [1, K, dim_out]
+        # Q: [1, K, dim_out]
+        self.queries = nn.Parameter(torch.empty(1, n_outputs, dim_out))
         nn.init.xavier_uniform_(self.queries)
         self.readout = Multihead(dim_out, dim_out, dim_out, n_heads)
 
@@ -91,36 +107,47 @@ class OfficialCapsuleEncoder(nn.Module):
         h = self.embed(X)                                                             # [B, M, dim]
         for sab in self.sabs:
             h = sab(h, mask)                                                          # [B, M, dim]
-        z = self.z(h)                                                                 # [B, M, dim_out]
-        return self.readout(self.queries.expand(X.shape[0], -1, -1), z, z, mask)      # [B, K, dim_out]
+        # [B, M, dim_out]
+        z = self.z(h)
+        # [B, K, dim_out]
+        return self.readout(self.queries.expand(X.shape[0], -1, -1), z, z, mask)
 
 # %% ../nbs/08_ccae.ipynb #e2a250ef
 def capsule_encoder(kind: str, n_objects: int, dim_special: int, dim: int = 128, n_heads: int = 4,
                     n_layers: int = 4) -> nn.Module:
-    "h^caps of Eq. (1), points [B, M, 2] -> c [B, K, dim_special]: 'set_transformer' (Chapter 5) or 'official'."
+    """h^caps of Eq. (1), points [B, M, 2] -> c [B, K, dim_special]:
+    'set_transformer' (Chapter 5) or 'official'."""
     if kind == "set_transformer":                       # rFF(SAB(PMA_K(Z))), Chapter 5
-        return SetTransformer(2, dim_special, n_objects, dim=dim, n_heads=n_heads, n_layers=n_layers)
-    if kind == "official":                              # Multihead(Q, ZW, ZW), the official constellation encoder
-        return OfficialCapsuleEncoder(n_objects, dim_special, dim=dim, n_heads=n_heads, n_layers=n_layers)
+        return SetTransformer(2, dim_special, n_objects, dim=dim, n_heads=n_heads,
+                              n_layers=n_layers)
+    # Multihead(Q, ZW, ZW), the official constellation encoder
+    if kind == "official":
+        return OfficialCapsuleEncoder(n_objects, dim_special, dim=dim, n_heads=n_heads,
+                                      n_layers=n_layers)
     raise ValueError(f"encoder must be 'set_transformer' or 'official', got {kind!r}")
 
 # %% ../nbs/08_ccae.ipynb #47e908b9
 class BatchLinear(nn.Module):
-    "K independent linear maps, one per capsule: x [B, K, d_in] -> [B, K, d_out] with weights [K, d_in, d_out]."
+    """K independent linear maps, one per capsule: x [B, K, d_in] -> [B, K, d_out]
+    with weights [K, d_in, d_out]."""
     def __init__(self, n_capsules: int, d_in: int, d_out: int, bias: bool = True):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_capsules, d_in, d_out))
-        nn.init.trunc_normal_(self.weight, std=1 / math.sqrt(d_in), a=-2 / math.sqrt(d_in), b=2 / math.sqrt(d_in))
+        nn.init.trunc_normal_(self.weight, std=1 / math.sqrt(d_in), a=-2 / math.sqrt(d_in),
+                              b=2 / math.sqrt(d_in))
         self.bias = nn.Parameter(torch.zeros(n_capsules, d_out)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() != 3 or x.shape[1:] != self.weight.shape[:2]:
-            raise ValueError(f"expected x of shape [B, {self.weight.shape[0]}, {self.weight.shape[1]}], got {tuple(x.shape)}")
-        y = torch.einsum("bki,kio->bko", x, self.weight)               # capsule k uses weight[k]: [B, K, d_out]
+            raise ValueError(f"expected x of shape [B, {self.weight.shape[0]}, "
+                             f"{self.weight.shape[1]}], got {tuple(x.shape)}")
+        # capsule k uses weight[k]: [B, K, d_out]
+        y = torch.einsum("bki,kio->bko", x, self.weight)
         return y if self.bias is None else y + self.bias
 
 class BatchMLP(nn.Sequential):
-    "An MLP per capsule (ReLU between layers): [B, K, sizes[0]] -> [B, K, sizes[-1]]; the last layer's bias optional."
+    """An MLP per capsule (ReLU between layers): [B, K, sizes[0]] -> [B, K, sizes[-1]];
+    the last layer's bias optional."""
     def __init__(self, n_capsules: int, sizes: list[int], final_bias: bool = True):
         layers = []
         for i, (d_in, d_out) in enumerate(zip(sizes[:-1], sizes[1:])):
@@ -131,7 +158,8 @@ class BatchMLP(nn.Sequential):
 
 # %% ../nbs/08_ccae.ipynb #e90bf8ca
 def geometric_transform(params: Tensor, similarity: bool = True) -> Tensor:
-    "Six numbers [..., 6] -> a pose matrix [..., 3, 3] (similarity or affine), with the official non-linearities."
+    """Six numbers [..., 6] -> a pose matrix [..., 3, 3] (similarity or affine),
+    with the official non-linearities."""
     sx, sy, theta, shear, tx, ty = params.unbind(-1)
     sx, sy = torch.sigmoid(sx) + 1e-2, torch.sigmoid(sy) + 1e-2
     tx, ty, shear = torch.tanh(5 * tx), torch.tanh(5 * ty), torch.tanh(5 * shear)
@@ -142,7 +170,8 @@ def geometric_transform(params: Tensor, similarity: bool = True) -> Tensor:
     else:
         row0, row1 = [sx * c + shear * sy * s, -sx * s + shear * sy * c, tx], [sy * s, sy * c, ty]
     zero, one = torch.zeros_like(sx), torch.ones_like(sx)
-    return torch.stack([torch.stack(row0, -1), torch.stack(row1, -1), torch.stack([zero, zero, one], -1)], -2)
+    return torch.stack([torch.stack(row0, -1), torch.stack(row1, -1),
+                        torch.stack([zero, zero, one], -1)], -2)
 
 # %% ../nbs/08_ccae.ipynb #d49db665
 class CapsuleVotes(NamedTuple):
@@ -155,35 +184,48 @@ class CapsuleVotes(NamedTuple):
 
 def capsule_votes(raw: Tensor, bias: Tensor, op_static: Tensor, similarity: bool = True,
                   noise_scale: float = 0.0) -> CapsuleVotes:
-    "h^part's output raw [B, K, 8N+7], the bias [K, 2N+7] of its last 2N+7 and the static OP params [K, N, 6] -> Eq. (3)."
+    """h^part's output raw [B, K, 8N+7], the bias [K, 2N+7] of its last 2N+7 and the static
+    OP params [K, N, 6] -> Eq. (3)."""
     K, N = op_static.shape[:2]
     if raw.dim() != 3 or raw.shape[1:] != (K, 8 * N + 7) or bias.shape != (K, 2 * N + 7):
-        raise ValueError(f"expected raw [B, {K}, {8 * N + 7}] and bias [{K}, {2 * N + 7}], got {tuple(raw.shape)} "
-                         f"and {tuple(bias.shape)}")
+        raise ValueError(f"expected raw [B, {K}, {8 * N + 7}] and bias [{K}, {2 * N + 7}], got "
+                         f"{tuple(raw.shape)} and {tuple(bias.shape)}")
     B = raw.shape[0]
     op_dynamic = raw[..., :6 * N].reshape(B, K, N, 6)                             # [B, K, N, 6]
     ov_params, l_k, l_kn, scale_params = (raw[..., 6 * N:] + bias).split([6, 1, N, N], -1)
-    if noise_scale > 0:                                                           # presence-logit noise (training)
+    # presence-logit noise (training)
+    if noise_scale > 0:
         l_k = l_k + (torch.rand_like(l_k) - 0.5) * noise_scale                   # [B, K, 1]
         l_kn = l_kn + (torch.rand_like(l_kn) - 0.5) * noise_scale                # [B, K, N]
-    OV = geometric_transform(ov_params, similarity)                               # OV_k: [B, K, 3, 3]
-    OP = geometric_transform(op_static + op_dynamic, similarity)                  # OP_k,n: [B, K, N, 3, 3]
-    V = OV[:, :, None] @ OP                                                       # Eq. (3): [B, K, N, 3, 3]
-    mu = V[..., :2, 2]                                                            # μ_k,n: [B, K, N, 2]
+    # OV_k: [B, K, 3, 3]
+    OV = geometric_transform(ov_params, similarity)
+    # OP_k,n: [B, K, N, 3, 3]
+    OP = geometric_transform(op_static + op_dynamic, similarity)
+    # Eq. (3): [B, K, N, 3, 3]
+    V = OV[:, :, None] @ OP
+    # μ_k,n: [B, K, N, 2]
+    mu = V[..., :2, 2]
     lam = F.softplus(scale_params + 0.5) + 1e-2                                   # λ_k,n: [B, K, N]
-    log_a = F.logsigmoid(l_k) + F.logsigmoid(l_kn)                                # log a_k a_k,n: [B, K, N]
+    # log a_k a_k,n: [B, K, N]
+    log_a = F.logsigmoid(l_k) + F.logsigmoid(l_kn)
     return CapsuleVotes(mu, lam, log_a, l_k, op_dynamic)
 
 # %% ../nbs/08_ccae.ipynb #990639d8
 def vote_mixture(x: Tensor, present: Tensor, votes: CapsuleVotes, background: Optional[float] = None
                  ) -> tuple[Tensor, Tensor, Tensor]:
-    "Points x [B, M, 2] under the votes' mixture, Eq. (5) (7.4 with a background): log p [B], p(k,n | x_m) [B, M, K·N], capsule [B, M]."
+    """Points x [B, M, 2] under the votes' mixture, Eq. (5) (7.4 with a background): log p [B],
+    p(k,n | x_m) [B, M, K·N], capsule [B, M]."""
     B, K, N = votes.lam.shape
-    gmm = (x, present, votes.mu.reshape(B, K * N, 2), votes.lam.reshape(B, K * N), votes.log_a.reshape(B, K * N))
-    log_joint = gmm_log_joint(*gmm, background=background)                       # terms of Eq. (7.2): [B, M, K·N(+1)]
-    ll = gmm_log_likelihood_from_joint(log_joint, present)                        # Eq. (5)/(7.4), log: [B]
-    post = gmm_posterior_from_joint(log_joint, present, K * N)                    # p(k,n | x_m): [B, M, K·N]
-    return ll, post, post.argmax(-1) // N                                         # the capsule of the best vote
+    gmm = (x, present, votes.mu.reshape(B, K * N, 2), votes.lam.reshape(B, K * N),
+           votes.log_a.reshape(B, K * N))
+    # terms of Eq. (7.2): [B, M, K·N(+1)]
+    log_joint = gmm_log_joint(*gmm, background=background)
+    # Eq. (5)/(7.4), log: [B]
+    ll = gmm_log_likelihood_from_joint(log_joint, present)
+    # p(k,n | x_m): [B, M, K·N]
+    post = gmm_posterior_from_joint(log_joint, present, K * N)
+    # the capsule of the best vote
+    return ll, post, post.argmax(-1) // N
 
 # %% ../nbs/08_ccae.ipynb #f2f5a786
 OFFICIAL_WEIGHTS = dict(dynamic_l2=10.0, presence=10.0, prior_within=1.0, prior_between=1.0,
@@ -196,15 +238,19 @@ def _entropy(p: Tensor, dim: int = -1) -> Tensor:
 
 def ccae_losses(votes: CapsuleVotes, log_likelihood: Tensor, posterior: Tensor, assignment: Tensor,
                 present: Tensor, n_classes: int = 2) -> dict:
-    "The terms of the training loss, each a [] tensor, from the votes, log p [B], p(k,n | x_m) [B, M, K·N], capsules [B, M]."
+    """The terms of the training loss, each a [] tensor, from the votes, log p [B],
+    p(k,n | x_m) [B, M, K·N], capsules [B, M]."""
     B, M = present.shape
     K, N = votes.lam.shape[1:]
     a_kn = votes.log_a.exp()                                                      # [B, K, N]
-    wins = (F.one_hot(assignment, K) * present[..., None]).sum(1).float()         # points won per capsule [B, K]
-    pres_bce = F.binary_cross_entropy_with_logits(votes.l_k[..., 0], (wins > 1).float(), reduction="none")
+    # points won per capsule [B, K]
+    wins = (F.one_hot(assignment, K) * present[..., None]).sum(1).float()
+    pres_bce = F.binary_cross_entropy_with_logits(votes.l_k[..., 0], (wins > 1).float(),
+                                                  reduction="none")
     u = a_kn.max(-1).values                                                       # u_b,k: [B, K]
     C = n_classes
-    mass = posterior.reshape(B, M, K, N).sum((1, 3))                              # mass per capsule [B, K]
+    # mass per capsule [B, K]
+    mass = posterior.reshape(B, M, K, N).sum((1, 3))
     return {
         "nll": -log_likelihood.mean(),
         "dynamic_l2": 0.5 * votes.op_dynamic.pow(2).sum() / B,
@@ -217,14 +263,18 @@ def ccae_losses(votes: CapsuleVotes, log_likelihood: Tensor, posterior: Tensor, 
 
 def ccae_loss(losses: dict, weights: dict = OFFICIAL_WEIGHTS) -> Tensor:
     "The training loss: `nll` plus every other term times its weight (terms of weight 0 left out)."
-    return losses["nll"] + sum(weights[k] * v for k, v in losses.items() if k != "nll" and weights[k] != 0)
+    return (losses["nll"]
+            + sum(weights[k] * v for k, v in losses.items() if k != "nll" and weights[k] != 0))
 
 # %% ../nbs/08_ccae.ipynb #d0874880
-OFFICIAL_MODEL = dict(dim=128, n_layers=4, n_heads=4, dim_special=32, encoder="official", background=0.01)
-OFFICIAL_TEMPLATE_INIT = 0.45   # half-width of OP_k,n's uniform init: TF's Glorot bound for [1, K, N, 6] is 0.447
+OFFICIAL_MODEL = dict(dim=128, n_layers=4, n_heads=4, dim_special=32, encoder="official",
+                      background=0.01)
+# half-width of OP_k,n's uniform init: TF's Glorot bound for [1, K, N, 6] is 0.447
+OFFICIAL_TEMPLATE_INIT = 0.45
 
 class CCAEOutput(NamedTuple):
-    "Everything a CCAE forward pass returns; shapes for a batch [B, M] of points, K capsules with N votes each."
+    """Everything a CCAE forward pass returns; shapes for a batch [B, M] of
+    points, K capsules with N votes each."""
     log_likelihood: Tensor   # [B], Eq. (5) in log space, present points only
     loss: Tensor             # [], the weighted sum of `losses`
     losses: dict             # name -> [] tensor (nll, dynamic_l2, presence, prior_within, ...)
@@ -236,71 +286,94 @@ class CCAEOutput(NamedTuple):
     posterior: Tensor        # [B, M, K·N], p(k, n | x_m)
 
 # %% ../nbs/08_ccae.ipynb #63828389
-def _with_empty_examples(out: Optional[CCAEOutput], keep: Tensor, points: Tensor, K: int, N: int) -> CCAEOutput:
-    "The CCAEOutput `out` of the examples `keep` [B] spread over the whole batch points [B, M, 2]; zeros elsewhere."
+def _with_empty_examples(out: Optional[CCAEOutput], keep: Tensor, points: Tensor, K: int,
+                         N: int) -> CCAEOutput:
+    """The CCAEOutput `out` of the examples `keep` [B] spread over the whole batch
+    points [B, M, 2]; zeros elsewhere."""
     B, M = points.shape[:2]
     def full(name: str, shape: tuple, dtype=points.dtype) -> Tensor:
         t = torch.zeros(shape, dtype=dtype, device=points.device)
         if out is not None: t[keep] = getattr(out, name).to(dtype)
         return t
     zero = points.new_zeros(())
-    return CCAEOutput(full("log_likelihood", (B,)), out.loss if out else zero, out.losses if out else {},
-                      full("assignment", (B, M), torch.long), full("votes", (B, K, N, 2)),
-                      full("scales", (B, K, N)), full("vote_presence", (B, K, N)),
-                      full("object_presence", (B, K)), full("posterior", (B, M, K * N)))
+    return CCAEOutput(full("log_likelihood", (B,)), out.loss if out else zero,
+                      out.losses if out else {}, full("assignment", (B, M), torch.long),
+                      full("votes", (B, K, N, 2)), full("scales", (B, K, N)),
+                      full("vote_presence", (B, K, N)), full("object_presence", (B, K)),
+                      full("posterior", (B, M, K * N)))
 
 # %% ../nbs/08_ccae.ipynb #8bd79033
 class CCAE(nn.Module):
-    "Constellation Capsule Autoencoder (Kosiorek et al. 2019, Sec. 2.1): points [B,M,2], presence [B,M] -> CCAEOutput."
-    def __init__(self, n_objects: int = 3, n_votes: int = 4, dim_special: int = 16, dim: int = 128, n_heads: int = 4,
-                 n_layers: int = 4, n_hidden: int = 128, similarity: bool = True, noise_scale: float = 4.0,
-                 n_classes: int = 2, weights: Optional[dict] = None, encoder: str = "set_transformer",
-                 background: Optional[float] = None, template_init: float = OFFICIAL_TEMPLATE_INIT):
+    """Constellation Capsule Autoencoder (Kosiorek et al. 2019, Sec. 2.1): points
+    [B,M,2], presence [B,M] -> CCAEOutput."""
+    def __init__(self, n_objects: int = 3, n_votes: int = 4, dim_special: int = 16, dim: int = 128,
+                 n_heads: int = 4, n_layers: int = 4, n_hidden: int = 128, similarity: bool = True,
+                 noise_scale: float = 4.0, n_classes: int = 2, weights: Optional[dict] = None,
+                 encoder: str = "set_transformer", background: Optional[float] = None,
+                 template_init: float = OFFICIAL_TEMPLATE_INIT):
         super().__init__()
         K, N = n_objects, n_votes
-        self.config = dict(n_objects=K, n_votes=N, dim_special=dim_special, dim=dim, n_heads=n_heads,
-                           n_layers=n_layers, n_hidden=n_hidden, similarity=similarity, noise_scale=noise_scale,
-                           n_classes=n_classes, weights=weights, encoder=encoder, background=background,
+        self.config = dict(n_objects=K, n_votes=N, dim_special=dim_special, dim=dim,
+                           n_heads=n_heads, n_layers=n_layers, n_hidden=n_hidden,
+                           similarity=similarity, noise_scale=noise_scale, n_classes=n_classes,
+                           weights=weights, encoder=encoder, background=background,
                            template_init=template_init)
-        self.K, self.N, self.similarity, self.noise_scale, self.n_classes = K, N, similarity, noise_scale, n_classes
+        self.K, self.N, self.similarity, self.noise_scale, self.n_classes = (
+            K, N, similarity, noise_scale, n_classes)
         self.weights = {**OFFICIAL_WEIGHTS, **(weights or {})}
         unknown = set(self.weights) - set(OFFICIAL_WEIGHTS)
-        if unknown: raise ValueError(f"unknown loss weights {sorted(unknown)}; known: {sorted(OFFICIAL_WEIGHTS)}")
-        self.background = check_background(background)   # Eq. (7.4): the official dummy vote, or None
-        self.encoder = capsule_encoder(encoder, K, dim_special, dim, n_heads, n_layers)          # h^caps, Eq. (1)
-        self.splits = [6 * N, 6, 1, N, N]            # dynamic OP params, OV params, ℓ_k, ℓ_k,n, scale params
-        self.h_part = BatchMLP(K, [dim_special, n_hidden, n_hidden, sum(self.splits)], final_bias=False)  # Eq. (2)
-        self.bias = nn.Parameter(torch.zeros(K, sum(self.splits[1:])))    # bias of all but the dynamic OP part
-        if not template_init > 0: raise ValueError(f"template_init must be positive, got {template_init!r}")
+        if unknown:
+            raise ValueError(f"unknown loss weights {sorted(unknown)}; known: "
+                             f"{sorted(OFFICIAL_WEIGHTS)}")
+        # Eq. (7.4): the official dummy vote, or None
+        self.background = check_background(background)
+        # h^caps, Eq. (1)
+        self.encoder = capsule_encoder(encoder, K, dim_special, dim, n_heads, n_layers)
+        # dynamic OP params, OV params, ℓ_k, ℓ_k,n, scale params
+        self.splits = [6 * N, 6, 1, N, N]
+        # Eq. (2)
+        self.h_part = BatchMLP(K, [dim_special, n_hidden, n_hidden, sum(self.splits)],
+                               final_bias=False)
+        # bias of all but the dynamic OP part
+        self.bias = nn.Parameter(torch.zeros(K, sum(self.splits[1:])))
+        if not template_init > 0:
+            raise ValueError(f"template_init must be positive, got {template_init!r}")
         # learned static OP_k,n params, uniform in ±template_init (official: OFFICIAL_TEMPLATE_INIT)
         self.op_static = nn.Parameter(torch.empty(K, N, 6).uniform_(-template_init, template_init))
 
     def forward(self, points: Tensor, presence: Tensor) -> CCAEOutput:
-        "points [B, M, 2], presence [B, M] (True = present) -> CCAEOutput; empty examples get zeros."
+        """points [B, M, 2], presence [B, M] (True = present) ->
+        CCAEOutput; empty examples get zeros."""
         if points.dim() != 3 or points.shape[-1] != 2 or presence.shape != points.shape[:2]:
-            raise ValueError(f"expected points [B, M, 2] and presence [B, M], got {tuple(points.shape)} and "
-                             f"{tuple(presence.shape)}")
+            raise ValueError("expected points [B, M, 2] and presence [B, M], got "
+                             f"{tuple(points.shape)} and {tuple(presence.shape)}")
         present = presence.bool()
-        keep = present.any(1)                                            # examples with at least one point
+        # examples with at least one point
+        keep = present.any(1)
         if keep.all():
             return self._forward(points, present)
         out = self._forward(points[keep], present[keep]) if keep.any() else None
         return _with_empty_examples(out, keep, points, self.K, self.N)
 
     def _forward(self, x: Tensor, present: Tensor) -> CCAEOutput:
-        c = self.encoder(x, present)                                                  # c_k, Eq. (1): [B, K, d]
-        noise = self.noise_scale if self.training else 0.0                            # presence noise: training only
-        votes = capsule_votes(self.h_part(c), self.bias, self.op_static, self.similarity, noise)   # Eqs. (2)-(3)
-        ll, post, assignment = vote_mixture(x, present, votes, self.background)       # Eq. (5), (7.3)
+        # c_k, Eq. (1): [B, K, d]
+        c = self.encoder(x, present)
+        # presence noise: training only
+        noise = self.noise_scale if self.training else 0.0
+        # Eqs. (2)-(3)
+        votes = capsule_votes(self.h_part(c), self.bias, self.op_static, self.similarity, noise)
+        # Eq. (5), (7.3)
+        ll, post, assignment = vote_mixture(x, present, votes, self.background)
         losses = ccae_losses(votes, ll, post, assignment, present, self.n_classes)
-        return CCAEOutput(ll, ccae_loss(losses, self.weights), losses, assignment, votes.mu, votes.lam,
-                          votes.log_a.exp(), torch.sigmoid(votes.l_k[..., 0]), post)
+        return CCAEOutput(ll, ccae_loss(losses, self.weights), losses, assignment, votes.mu,
+                          votes.lam, votes.log_a.exp(), torch.sigmoid(votes.l_k[..., 0]), post)
 
 # %% ../nbs/08_ccae.ipynb #d6eedb22
 @torch.no_grad()
 def evaluate_ccae(model: CCAE, n: int = 10_000, batch_size: int = 32, seed: int = 12345,
                   device: Optional[Union[str, torch.device]] = None) -> dict:
-    "`segmentation_report` (accuracy and its one-capsule floor, also by objects present) and the mean log-likelihood on `n` fresh constellations."
+    """`segmentation_report` (accuracy and its one-capsule floor, also by objects present) and the
+    mean log-likelihood on `n` fresh constellations."""
     device = device or next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -309,59 +382,73 @@ def evaluate_ccae(model: CCAE, n: int = 10_000, batch_size: int = 32, seed: int 
     while sum(len(t) for t in ids) < n:
         chunk = make_constellations(100 * batch_size, generator=g)
         out = model(chunk.points.to(device), chunk.presence.to(device))
-        assignments.append(out.assignment.cpu()); ids.append(chunk.pattern_id); presences.append(chunk.presence)
+        assignments.append(out.assignment.cpu()); ids.append(chunk.pattern_id)
+        presences.append(chunk.presence)
         lls.append(out.log_likelihood.cpu())
     a, y, p, ll = (torch.cat(t)[:n] for t in (assignments, ids, presences, lls))
     model.train(was_training)
     return {**segmentation_report(a, y, p, model.K), "log_likelihood": ll.mean().item(), "n": n}
 
 # %% ../nbs/08_ccae.ipynb #46cb84ff
-def ccae_task(model: CCAE, batch_size: int = 32, lr: float = 1e-4, seed: int = 0, optimizer: str = "rmsprop",
-              lr_decay: float = 1.0, decay_steps: int = 10_000, eval_n: int = 2000, resume_command: str = "") -> Task:
-    "The engine's task for a CCAE on fresh constellations: RMSProp (official) or Adam, η(s) = lr·lr_decay^(s/decay_steps)."
+def ccae_task(model: CCAE, batch_size: int = 32, lr: float = 1e-4, seed: int = 0,
+              optimizer: str = "rmsprop", lr_decay: float = 1.0, decay_steps: int = 10_000,
+              eval_n: int = 2000, resume_command: str = "") -> Task:
+    """The engine's task for a CCAE on fresh constellations: RMSProp (official) or Adam, η(s)
+    = lr·lr_decay^(s/decay_steps)."""
     if not 0 < lr_decay <= 1 or decay_steps < 1:
-        raise ValueError(f"lr_decay must lie in (0, 1] and decay_steps be >= 1, got {lr_decay} and {decay_steps}")
+        raise ValueError(f"lr_decay must lie in (0, 1] and decay_steps be >= 1, got {lr_decay} and "
+                         f"{decay_steps}")
     if batch_size < 1: raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     if optimizer == "rmsprop":
-        opt = torch.optim.RMSprop(model.parameters(), lr=lr, alpha=0.9, momentum=0.9, eps=0.1 / batch_size)
+        opt = torch.optim.RMSprop(model.parameters(), lr=lr, alpha=0.9, momentum=0.9,
+                                  eps=0.1 / batch_size)
     elif optimizer == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=lr)
     else:
         raise ValueError(f"optimizer must be 'rmsprop' or 'adam', got {optimizer!r}")
     device = next(model.parameters()).device
 
-    def chunk(g: torch.Generator) -> list[Constellations]:                # 100 batches, one normalisation
+    # 100 batches, one normalisation
+    def chunk(g: torch.Generator) -> list[Constellations]:
         data = make_constellations(100 * batch_size, generator=g)
-        return [Constellations(*(t[i * batch_size:(i + 1) * batch_size] for t in data)) for i in range(100)]
+        return [Constellations(*(t[i * batch_size:(i + 1) * batch_size] for t in data))
+                for i in range(100)]
 
     def loss(net: nn.Module, batch: Constellations) -> tuple[Tensor, dict]:
         out = net(batch.points.to(device), batch.presence.to(device))
-        acc = segmentation_accuracy(out.assignment, batch.pattern_id, batch.presence, n_capsules=model.K)
+        acc = segmentation_accuracy(out.assignment, batch.pattern_id, batch.presence,
+                                    n_capsules=model.K)
         return out.loss, {**{k: v.detach() for k, v in out.losses.items()}, "train_accuracy": acc}
 
-    config = dict(model=model.config, batch_size=batch_size, lr=lr, optimizer=optimizer, lr_decay=lr_decay,
-                  decay_steps=decay_steps, seed=seed)
+    config = dict(model=model.config, batch_size=batch_size, lr=lr, optimizer=optimizer,
+                  lr_decay=lr_decay, decay_steps=decay_steps, seed=seed)
     return Task("ccae", config, model, opt, SyntheticStream(chunk, seed), loss,
                 lambda s: lr * lr_decay ** (s / decay_steps),
-                evaluate=lambda m: {k: v for k, v in evaluate_ccae(m, eval_n, batch_size).items() if k != "n"},
+                evaluate=lambda m: {k: v for k, v in evaluate_ccae(m, eval_n, batch_size).items()
+                                    if k != "n"},
                 resume_command=resume_command or "train_ccae(..., resume=True)")
 
 # %% ../nbs/08_ccae.ipynb #810ee02e
 def train_ccae(model: CCAE, steps: int, batch_size: int = 32, lr: float = 1e-4, seed: int = 0,
-               optimizer: str = "rmsprop", out: Optional[Union[str, os.PathLike]] = None, resume: bool = False,
-               max_minutes: Optional[float] = None, checkpoint_every: int = 1000, checkpoint_minutes: float = 10.0,
-               log_every: int = 50, eval_every: int = 0, eval_n: int = 2000, progress: bool = True,
+               optimizer: str = "rmsprop", out: Optional[Union[str, os.PathLike]] = None,
+               resume: bool = False, max_minutes: Optional[float] = None,
+               checkpoint_every: int = 1000, checkpoint_minutes: float = 10.0, log_every: int = 50,
+               eval_every: int = 0, eval_n: int = 2000, progress: bool = True,
                lr_decay: float = 1.0, decay_steps: int = 10_000, stop_at: Optional[int] = None,
                resume_command: str = "") -> RunResult:
-    "Train `model` on fresh constellations for `steps` steps in all through the engine (in `out`, resumable)."
-    task = ccae_task(model, batch_size, lr, seed, optimizer, lr_decay, decay_steps, eval_n, resume_command)
-    return fit(task, steps, out=out, resume=resume, max_minutes=max_minutes, checkpoint_every=checkpoint_every,
-               checkpoint_minutes=checkpoint_minutes, log_every=log_every, eval_every=eval_every, progress=progress,
-               stop_at=stop_at)
+    """Train `model` on fresh constellations for `steps` steps in all through
+    the engine (in `out`, resumable)."""
+    task = ccae_task(model, batch_size, lr, seed, optimizer, lr_decay, decay_steps, eval_n,
+                     resume_command)
+    return fit(task, steps, out=out, resume=resume, max_minutes=max_minutes,
+               checkpoint_every=checkpoint_every, checkpoint_minutes=checkpoint_minutes,
+               log_every=log_every, eval_every=eval_every, progress=progress, stop_at=stop_at)
 
 # %% ../nbs/08_ccae.ipynb #56dded76
-def load_ccae(path: Union[str, os.PathLike], device: Optional[Union[str, torch.device]] = "cpu") -> tuple[CCAE, dict]:
-    "The CCAE of a run's checkpoint (eval mode, on `device`) and the checkpoint; another model's is refused."
+def load_ccae(path: Union[str, os.PathLike],
+              device: Optional[Union[str, torch.device]] = "cpu") -> tuple[CCAE, dict]:
+    """The CCAE of a run's checkpoint (eval mode, on `device`) and the
+    checkpoint; another model's is refused."""
     ck = load_checkpoint(path, map_location=device)
     if ck.get("task") != "ccae":
         raise UserError(f"{path} holds a {ck.get('task', 'unknown')} checkpoint, not a CCAE one")
@@ -371,7 +458,8 @@ def load_ccae(path: Union[str, os.PathLike], device: Optional[Union[str, torch.d
 
 # %% ../nbs/08_ccae.ipynb #79a2e57d
 def plot_ccae(batch: Constellations, out: CCAEOutput, n_examples: int = 5):
-    "Top row: points by true object; bottom row: points by assigned capsule, with each capsule's votes; returns the Figure."
+    """Top row: points by true object; bottom row: points by assigned capsule, with each
+    capsule's votes; returns the Figure."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Circle
     n = min(n_examples, batch.points.shape[0])
@@ -382,7 +470,8 @@ def plot_ccae(batch: Constellations, out: CCAEOutput, n_examples: int = 5):
         for row, labels in ((0, batch.pattern_id[i].cpu()), (1, out.assignment[i].cpu())):
             ax = axes[row, i]
             ax.set(xlim=(-1.2, 1.2), ylim=(-1.2, 1.2), xticks=[], yticks=[], aspect="equal")
-            ax.scatter(pts[pres, 0], pts[pres, 1], c=[col(int(k) % 10) for k in labels[pres]], s=28, zorder=3)
+            ax.scatter(pts[pres, 0], pts[pres, 1], c=[col(int(k) % 10) for k in labels[pres]], s=28,
+                       zorder=3)
         votes, scales = out.votes[i].detach().cpu(), out.scales[i].detach().cpu()
         a = out.vote_presence[i].detach().cpu()
         for k in range(votes.shape[0]):
@@ -390,8 +479,8 @@ def plot_ccae(batch: Constellations, out: CCAEOutput, n_examples: int = 5):
                 alpha = float(a[k, v])
                 axes[1, i].scatter(*votes[k, v], marker="x", s=10 + 60 * alpha, color=col(k % 10),
                                    alpha=max(alpha, 0.15), zorder=2)
-                axes[1, i].add_patch(Circle(votes[k, v].tolist(), float(scales[k, v]), fill=False, lw=0.6,
-                                            color=col(k % 10), alpha=max(alpha, 0.1) * 0.6))
+                axes[1, i].add_patch(Circle(votes[k, v].tolist(), float(scales[k, v]), fill=False,
+                                            lw=0.6, color=col(k % 10), alpha=max(alpha, 0.1) * 0.6))
         axes[0, i].set_title(f"example {i}", fontsize=8)
     axes[0, 0].set_ylabel("true objects", fontsize=9)
     axes[1, 0].set_ylabel("capsules and votes", fontsize=9)
@@ -400,7 +489,8 @@ def plot_ccae(batch: Constellations, out: CCAEOutput, n_examples: int = 5):
 
 # %% ../nbs/08_ccae.ipynb #8c689991
 def plot_ccae_history(histories: Union[list[dict], dict[str, list[dict]]]):
-    "Training curves of one `train_ccae` history or a dict name -> history: −log-likelihood; accuracy. Returns the Figure."
+    """Training curves of one `train_ccae` history or a dict name -> history:
+    −log-likelihood; accuracy. Returns the Figure."""
     import matplotlib.pyplot as plt
     if isinstance(histories, list): histories = {"": histories}
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(10, 3.4))

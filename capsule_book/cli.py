@@ -10,7 +10,7 @@ import sys
 from typing import Callable, Optional
 
 # %% auto #0
-__all__ = ['COMMANDS', 'register', 'build_parser', 'main', 'positive', 'positive_float', 'device', 'run_arguments',
+__all__ = ['COMMANDS', 'register', 'Parser', 'build_parser', 'main', 'positive', 'positive_float', 'device', 'run_arguments',
            'run_settings', 'resume_command', 'eval_arguments', 'load_for_eval', 'capsnet_train_arguments',
            'train_capsnet_command', 'capsnet_eval_arguments', 'eval_capsnet_command', 'mog_train_arguments',
            'train_mog_command', 'mog_eval_arguments', 'eval_mog_command', 'ccae_train_arguments', 'ccae_from_args',
@@ -19,16 +19,25 @@ __all__ = ['COMMANDS', 'register', 'build_parser', 'main', 'positive', 'positive
 # %% ../nbs/93_cli.ipynb #642e09a9
 COMMANDS: dict[str, dict[str, tuple[Callable, Callable, str]]] = {"train": {}, "eval": {}}
 
-def register(action: str, model: str, arguments: Callable = lambda parser: None, help: str = "") -> Callable:
-    "Decorator registering `run(args) -> int` as `capsule-book ACTION MODEL`; `arguments(parser)` adds its options."
+def register(action: str, model: str, arguments: Callable = lambda parser: None,
+             help: str = "") -> Callable:
+    """Decorator registering `run(args) -> int` as `capsule-book ACTION MODEL`;
+    `arguments(parser)` adds its options."""
     def deco(run: Callable) -> Callable:
         COMMANDS.setdefault(action, {})[model] = (run, arguments, help)
         return run
     return deco
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a mistake answered in one line
+    (and a pointer to --help) instead of the whole usage."""
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
 def build_parser() -> argparse.ArgumentParser:
     "The parser of every registered `capsule-book ACTION MODEL` command."
-    parser = argparse.ArgumentParser(prog="capsule-book", description="Train and evaluate the book's capsule networks.")
+    parser = Parser(prog="capsule-book",
+                    description="Train and evaluate the book's capsule networks.")
     actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     for action, models in COMMANDS.items():
         p = actions.add_parser(action, help=f"{action} a model")
@@ -40,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 def _is_user_error(e: BaseException) -> bool:
-    from capsule_book.train import UserError           # imported only once a command runs (torch is loaded by then)
+    # imported only once a command runs (torch is loaded by then)
+    from capsule_book.train import UserError
     return isinstance(e, (UserError, FileNotFoundError, ValueError))
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -51,7 +61,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.argv = argv
     try:
         return args.run(args) or 0
-    except Exception as e:                  # a user's mistake: one line, exit 2; anything else is a bug: traceback
+    except Exception as e:
+        # a user's mistake: one line, exit 2; anything else is a bug: traceback
         if not _is_user_error(e): raise
         parser.exit(2, f"capsule-book: error: {e}\n")
 
@@ -71,7 +82,8 @@ def positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
-    if not 0 < value < float("inf"): raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 def device(text: str) -> str:
@@ -82,35 +94,42 @@ def device(text: str) -> str:
     except (ValueError, RuntimeError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
-def run_arguments(p: argparse.ArgumentParser, out: str, steps: Optional[int], eval_every: int = 0) -> None:
+def run_arguments(p: argparse.ArgumentParser, out: str, steps: Optional[int],
+                  eval_every: int = 0) -> None:
     "The engine's flags, the same for every `capsule-book train MODEL`."
     g = p.add_argument_group("the run")
-    g.add_argument("--out", default=out, help=f"the run's folder: last.pt and metrics.jsonl (default {out})")
+    g.add_argument("--out", default=out,
+                   help=f"the run's folder: last.pt and metrics.jsonl (default {out})")
     g.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     g.add_argument("--steps", type=positive, default=steps,
                    help="optimiser steps in all" + (f" (default {steps})" if steps else ""))
     g.add_argument("--max-minutes", type=positive_float, default=None,
                    help="checkpoint and stop cleanly before T minutes (continue with --resume)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", type=device, default=None, help="cuda, mps or cpu (default: the fastest available)")
+    g.add_argument("--device", type=device, default=None,
+                   help="cuda, mps or cpu (default: the fastest available)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    g.add_argument("--checkpoint-every", type=positive, default=1000, help="steps between checkpoints (default 1000)")
+    g.add_argument("--checkpoint-every", type=positive, default=1000,
+                   help="steps between checkpoints (default 1000)")
     g.add_argument("--checkpoint-minutes", type=positive_float, default=10.0,
                    help="minutes between checkpoints (default 10)")
     g.add_argument("--eval-every", type=int, default=eval_every,
-                   help="steps between evaluations (0: at the end only)" + (f"; default {eval_every}" if eval_every else ""))
-    g.add_argument("--log-every", type=positive, default=50, help="steps between rows of metrics.jsonl (default 50)")
+                   help="steps between evaluations (0: at the end only)"
+                   + (f"; default {eval_every}" if eval_every else ""))
+    g.add_argument("--log-every", type=positive, default=50,
+                   help="steps between rows of metrics.jsonl (default 50)")
 
 def run_settings(args: argparse.Namespace) -> dict:
     "The engine's settings from the shared flags."
-    return dict(out=args.out, resume=args.resume, max_minutes=args.max_minutes, progress=not args.no_progress,
-                checkpoint_every=args.checkpoint_every, checkpoint_minutes=args.checkpoint_minutes,
-                log_every=args.log_every)
+    return dict(out=args.out, resume=args.resume, max_minutes=args.max_minutes,
+                progress=not args.no_progress, checkpoint_every=args.checkpoint_every,
+                checkpoint_minutes=args.checkpoint_minutes, log_every=args.log_every)
 
 def resume_command(args: argparse.Namespace) -> str:
     "The command line that continues this run: the same one, with --resume."
     argv = list(getattr(args, "argv", []))
-    return "capsule-book " + " ".join(shlex.quote(a) for a in argv + ([] if "--resume" in argv else ["--resume"]))
+    return ("capsule-book "
+            + " ".join(shlex.quote(a) for a in argv + ([] if "--resume" in argv else ["--resume"])))
 
 def eval_arguments(p: argparse.ArgumentParser, what: str) -> None:
     "`--checkpoint PATH` or `--weights NAME`, and the device."
@@ -120,7 +139,8 @@ def eval_arguments(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--device", type=device, default=None)
 
 def load_for_eval(args: argparse.Namespace, name: str, load_checkpoint_model: Callable):
-    "The model to evaluate and a dict saying where it came from: a run's checkpoint or shipped weights."
+    """The model to evaluate and a dict saying where it came from: a run's
+    checkpoint or shipped weights."""
     from capsule_book.utils import pick_device
     dev = pick_device(args.device)
     if args.checkpoint:
@@ -135,27 +155,37 @@ def load_for_eval(args: argparse.Namespace, name: str, load_checkpoint_model: Ca
 # %% ../nbs/93_cli.ipynb #338b4a83
 def capsnet_train_arguments(p: argparse.ArgumentParser) -> None:
     "The flags of `capsule-book train capsnet` (the paper's defaults)."
-    p.add_argument("--epochs", type=positive, default=1, help="length of the run when --steps is not given (default 1)")
-    p.add_argument("--batch-size", type=positive, default=128, help="per process (default 128, the paper's)")
+    p.add_argument("--epochs", type=positive, default=1,
+                   help="length of the run when --steps is not given (default 1)")
+    p.add_argument("--batch-size", type=positive, default=128,
+                   help="per process (default 128, the paper's)")
     p.add_argument("--routing-iterations", type=positive, default=3, help="default 3, the paper's")
     p.add_argument("--lr", type=positive_float, default=1e-3)
-    p.add_argument("--recon-weight", type=float, default=0.0005, help="0: no reconstruction loss (default 0.0005)")
-    p.add_argument("--limit-train", type=positive, default=None, help="train on the first N digits only")
-    p.add_argument("--limit-test", type=positive, default=None, help="test on the first N digits only")
-    p.add_argument("--sample", action="store_true", help="the MNIST sample shipped with the package (2,000/1,000)")
-    p.add_argument("--data-root", default=None, help="default $CAPSULE_BOOK_DATA, else ~/.cache/capsule_book")
+    p.add_argument("--recon-weight", type=float, default=0.0005,
+                   help="0: no reconstruction loss (default 0.0005)")
+    p.add_argument("--limit-train", type=positive, default=None,
+                   help="train on the first N digits only")
+    p.add_argument("--limit-test", type=positive, default=None,
+                   help="test on the first N digits only")
+    p.add_argument("--sample", action="store_true",
+                   help="the MNIST sample shipped with the package (2,000/1,000)")
+    p.add_argument("--data-root", default=None,
+                   help="default $CAPSULE_BOOK_DATA, else ~/.cache/capsule_book")
     run_arguments(p, "runs/capsnet", None)
 
 @register("train", "capsnet", capsnet_train_arguments, help="CapsNet (Sabour et al. 2017) on MNIST")
 def train_capsnet_command(args: argparse.Namespace) -> int:
-    "`capsule-book train capsnet`: train (or resume) through the engine; print the last metrics row as JSON."
+    """`capsule-book train capsnet`: train (or resume) through the engine;
+    print the last metrics row as JSON."""
     from capsule_book.capsnet import TrainConfig, train_capsnet
-    if args.recon_weight < 0: raise ValueError(f"--recon-weight must be >= 0, got {args.recon_weight}")
+    if args.recon_weight < 0:
+        raise ValueError(f"--recon-weight must be >= 0, got {args.recon_weight}")
     cfg = TrainConfig(epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
-                      routing_iterations=args.routing_iterations, lr=args.lr, recon_weight=args.recon_weight,
-                      limit_train=args.limit_train, limit_test=args.limit_test, sample=args.sample, seed=args.seed,
-                      device=args.device, data_root=args.data_root, eval_every=args.eval_every or None,
-                      **run_settings(args))
+                      routing_iterations=args.routing_iterations, lr=args.lr,
+                      recon_weight=args.recon_weight, limit_train=args.limit_train,
+                      limit_test=args.limit_test, sample=args.sample, seed=args.seed,
+                      device=args.device, data_root=args.data_root,
+                      eval_every=args.eval_every or None, **run_settings(args))
     result = train_capsnet(cfg, resume_command=resume_command(args))
     if result.history: print(json.dumps(result.history[-1]))
     return 0
@@ -164,11 +194,13 @@ def capsnet_eval_arguments(p: argparse.ArgumentParser) -> None:
     "The flags of `capsule-book eval capsnet`."
     eval_arguments(p, "capsnet")
     p.add_argument("--limit-test", type=positive, default=None)
-    p.add_argument("--sample", action="store_true", help="test on the shipped sample's 1,000 digits")
+    p.add_argument("--sample", action="store_true",
+                   help="test on the shipped sample's 1,000 digits")
     p.add_argument("--batch-size", type=positive, default=500)
     p.add_argument("--data-root", default=None)
 
-@register("eval", "capsnet", capsnet_eval_arguments, help="test accuracy of a CapsNet checkpoint or shipped weights")
+@register("eval", "capsnet", capsnet_eval_arguments,
+          help="test accuracy of a CapsNet checkpoint or shipped weights")
 def eval_capsnet_command(args: argparse.Namespace) -> int:
     "`capsule-book eval capsnet`: test accuracy on MNIST's test digits, printed as JSON."
     from capsule_book.capsnet import evaluate, load_capsnet
@@ -176,7 +208,8 @@ def eval_capsnet_command(args: argparse.Namespace) -> int:
     model, source, _ = load_for_eval(args, "capsnet", load_capsnet)
     x, y = load_mnist(False, root=args.data_root, limit=args.limit_test, sample=args.sample)
     dev = next(model.parameters()).device
-    print(json.dumps({**source, **evaluate(model, MNISTBatches(x, y, args.batch_size, device=dev))}))
+    print(json.dumps({**source,
+                      **evaluate(model, MNISTBatches(x, y, args.batch_size, device=dev))}))
     return 0
 
 # %% ../nbs/93_cli.ipynb #6d0e8835
@@ -187,22 +220,29 @@ def mog_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="the row of the paper's table (default sab-pma)")
     p.add_argument("--dim", type=positive, default=128, help=f"width {from_paper}")
     p.add_argument("--n-heads", type=positive, default=4)
-    p.add_argument("--n-inducing", type=positive, default=16, help="inducing points of ISAB (default 16)")
+    p.add_argument("--n-inducing", type=positive, default=16,
+                   help="inducing points of ISAB (default 16)")
     p.add_argument("--batch-size", type=positive, default=10, help=f"sets per step {from_paper}")
     p.add_argument("--lr", type=positive_float, default=1e-3)
-    p.add_argument("--decay-step", type=positive, default=35_000, help="η ÷ 10 from this step on (default 35000)")
-    p.add_argument("--n-min", type=positive, default=100, help="fewest points in a set (default 100)")
+    p.add_argument("--decay-step", type=positive, default=35_000,
+                   help="η ÷ 10 from this step on (default 35000)")
+    p.add_argument("--n-min", type=positive, default=100,
+                   help="fewest points in a set (default 100)")
     p.add_argument("--n-max", type=positive, default=500, help="most points in a set (default 500)")
-    p.add_argument("--eval-batches", type=positive, default=100, help="held-out batches of 10 sets (default 100)")
+    p.add_argument("--eval-batches", type=positive, default=100,
+                   help="held-out batches of 10 sets (default 100)")
     run_arguments(p, "runs/mog", 50_000, eval_every=1000)
 
-@register("train", "mog", mog_train_arguments, help="amortised clustering of 4 Gaussians (Set Transformer, Sec. 5.3)")
+@register("train", "mog", mog_train_arguments,
+          help="amortised clustering of 4 Gaussians (Set Transformer, Sec. 5.3)")
 def train_mog_command(args: argparse.Namespace) -> int:
-    "`capsule-book train mog`: train (or resume) through the engine; print the last metrics row as JSON."
+    """`capsule-book train mog`: train (or resume) through the engine;
+    print the last metrics row as JSON."""
     from capsule_book.mog import MogConfig, train_mog
-    cfg = MogConfig(model=args.model, dim=args.dim, n_heads=args.n_heads, n_inducing=args.n_inducing,
-                    batch_size=args.batch_size, lr=args.lr, decay_step=args.decay_step, n_min=args.n_min,
-                    n_max=args.n_max, eval_batches=args.eval_batches, steps=args.steps, seed=args.seed,
+    cfg = MogConfig(model=args.model, dim=args.dim, n_heads=args.n_heads,
+                    n_inducing=args.n_inducing, batch_size=args.batch_size, lr=args.lr,
+                    decay_step=args.decay_step, n_min=args.n_min, n_max=args.n_max,
+                    eval_batches=args.eval_batches, steps=args.steps, seed=args.seed,
                     device=args.device, eval_every=args.eval_every, **run_settings(args))
     result = train_mog(cfg, resume_command=resume_command(args))
     if result.history: print(json.dumps(result.history[-1]))
@@ -211,66 +251,84 @@ def train_mog_command(args: argparse.Namespace) -> int:
 def mog_eval_arguments(p: argparse.ArgumentParser) -> None:
     "The flags of `capsule-book eval mog`."
     eval_arguments(p, "mog")
-    p.add_argument("--eval-batches", type=positive, default=100, help="held-out batches of 10 sets (default 100)")
+    p.add_argument("--eval-batches", type=positive, default=100,
+                   help="held-out batches of 10 sets (default 100)")
     p.add_argument("--n-min", type=positive, default=None, help="default: the run's own")
     p.add_argument("--n-max", type=positive, default=None, help="default: the run's own")
-    p.add_argument("--seed", type=int, default=None, help="held-out sets' seed (default: the book's benchmark)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="held-out sets' seed (default: the book's benchmark)")
 
-@register("eval", "mog", mog_eval_arguments, help="held-out log-likelihood per point of a MoG model")
+@register("eval", "mog", mog_eval_arguments,
+          help="held-out log-likelihood per point of a MoG model")
 def eval_mog_command(args: argparse.Namespace) -> int:
-    "`capsule-book eval mog`: log-likelihood per point on the held-out benchmark, and the oracle's, as JSON."
+    """`capsule-book eval mog`: log-likelihood per point on the held-out
+    benchmark, and the oracle's, as JSON."""
     from capsule_book.mog import BENCHMARK_SEED, evaluate_mog, load_mog, mog_benchmark
     model, source, config = load_for_eval(args, "mog", load_mog)
     n_min, n_max = args.n_min or config["n_min"], args.n_max or config["n_max"]
     seed = BENCHMARK_SEED if args.seed is None else args.seed
     sets, oracle = mog_benchmark(args.eval_batches, n_min=n_min, n_max=n_max, seed=seed)
-    print(json.dumps({**source, "model": config["model"], "ll": evaluate_mog(model, sets), "oracle": oracle,
-                      "n_min": n_min, "n_max": n_max, "batches": args.eval_batches, "seed": seed}))
+    print(json.dumps({**source, "model": config["model"], "ll": evaluate_mog(model, sets),
+                      "oracle": oracle, "n_min": n_min, "n_max": n_max,
+                      "batches": args.eval_batches, "seed": seed}))
     return 0
 
 # %% ../nbs/93_cli.ipynb #dc07ff8c
 def ccae_train_arguments(p: argparse.ArgumentParser) -> None:
-    "The flags of `capsule-book train ccae` (the official configuration by default); benchmarks/ccae.py takes the same."
+    """The flags of `capsule-book train ccae` (the official configuration by default);
+    benchmarks/ccae.py takes the same."""
     p.add_argument("--batch-size", type=positive, default=32)
     p.add_argument("--lr", type=positive_float, default=1e-4)
     p.add_argument("--lr-decay", type=positive_float, default=1.0,
-                   help="multiply η by this every 10,000 steps, continuously (official code: computes 0.96, uses 1)")
+                   help="multiply η by this every 10,000 steps, continuously (official code: "
+                        "computes 0.96, uses 1)")
     p.add_argument("--optimizer", choices=["rmsprop", "adam"], default="rmsprop")
     p.add_argument("--dim", type=positive, default=128, help="encoder width (official 128)")
     p.add_argument("--n-layers", type=positive, default=4, help="encoder blocks (official 4)")
     p.add_argument("--n-heads", type=positive, default=4)
     p.add_argument("--encoder", choices=["official", "set_transformer"], default="official",
-                   help="official: SABs read out by one attention (default); set_transformer: Chapter 5's PMA + SAB")
-    p.add_argument("--dim-special", type=positive, default=32, help="capsule feature width (official 32)")
+                   help="official: SABs read out by one attention (default); set_transformer: "
+                        "Chapter 5's PMA + SAB")
+    p.add_argument("--dim-special", type=positive, default=32,
+                   help="capsule feature width (official 32)")
     p.add_argument("--background", type=float, default=0.01,
-                   help="density and weight of the background component, Eq. (7.4) (official 0.01; 0 = none)")
+                   help="density and weight of the background component, Eq. (7.4) "
+                        "(official 0.01; 0 = none)")
     p.add_argument("--template-init", type=positive_float, default=0.45,
-                   help="half-width of the uniform initialisation of the static part poses (official 0.45)")
+                   help="half-width of the uniform initialisation of the static part poses "
+                        "(official 0.45)")
     p.add_argument("--posterior-sparsity", type=float, default=0.0,
                    help="weight of both posterior sparsity losses (official constellation run: 0)")
-    p.add_argument("--eval-n", type=positive, default=2000, help="fresh constellations per evaluation (default 2000)")
+    p.add_argument("--eval-n", type=positive, default=2000,
+                   help="fresh constellations per evaluation (default 2000)")
     run_arguments(p, "runs/ccae", 300_000, eval_every=10_000)
 
 def ccae_from_args(args: argparse.Namespace):
-    "The CCAE that the `train ccae` arguments describe (shared by the command line and benchmarks/ccae.py)."
+    """The CCAE that the `train ccae` arguments describe
+    (shared by the command line and benchmarks/ccae.py)."""
     from capsule_book.ccae import CCAE
     if args.background < 0: raise ValueError(f"--background must be >= 0, got {args.background}")
-    weights = dict(posterior_within=args.posterior_sparsity, posterior_between=args.posterior_sparsity)
-    return CCAE(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads, dim_special=args.dim_special,
-                encoder=args.encoder, background=args.background or None, weights=weights,
+    weights = dict(posterior_within=args.posterior_sparsity,
+                   posterior_between=args.posterior_sparsity)
+    return CCAE(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
+                dim_special=args.dim_special, encoder=args.encoder,
+                background=args.background or None, weights=weights,
                 template_init=args.template_init)
 
-@register("train", "ccae", ccae_train_arguments, help="Constellation Capsule Autoencoder (Kosiorek et al. 2019)")
+@register("train", "ccae", ccae_train_arguments,
+          help="Constellation Capsule Autoencoder (Kosiorek et al. 2019)")
 def train_ccae_command(args: argparse.Namespace) -> int:
-    "`capsule-book train ccae`: train (or resume) through the engine; print the last metrics row as JSON."
+    """`capsule-book train ccae`: train (or resume) through the engine;
+    print the last metrics row as JSON."""
     from capsule_book.ccae import train_ccae
     from capsule_book.utils import pick_device
     torch_device = pick_device(args.device)
     import torch
     torch.manual_seed(args.seed)
     model = ccae_from_args(args).to(torch_device)
-    result = train_ccae(model, args.steps, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
-                        seed=args.seed, eval_every=args.eval_every, eval_n=args.eval_n, lr_decay=args.lr_decay,
+    result = train_ccae(model, args.steps, batch_size=args.batch_size, lr=args.lr,
+                        optimizer=args.optimizer, seed=args.seed, eval_every=args.eval_every,
+                        eval_n=args.eval_n, lr_decay=args.lr_decay,
                         resume_command=resume_command(args), **run_settings(args))
     if result.history: print(json.dumps(result.history[-1]))
     return 0
@@ -278,14 +336,17 @@ def train_ccae_command(args: argparse.Namespace) -> int:
 def ccae_eval_arguments(p: argparse.ArgumentParser) -> None:
     "The flags of `capsule-book eval ccae`."
     eval_arguments(p, "ccae")
-    p.add_argument("--n", type=positive, default=10_000, help="fresh constellations to segment (default 10000)")
+    p.add_argument("--n", type=positive, default=10_000,
+                   help="fresh constellations to segment (default 10000)")
     p.add_argument("--seed", type=int, default=12345)
 
-@register("eval", "ccae", ccae_eval_arguments, help="segmentation accuracy of a CCAE checkpoint or shipped weights")
+@register("eval", "ccae", ccae_eval_arguments,
+          help="segmentation accuracy of a CCAE checkpoint or shipped weights")
 def eval_ccae_command(args: argparse.Namespace) -> int:
     "`capsule-book eval ccae`: segmentation accuracy on fresh constellations, printed as JSON."
     from capsule_book.ccae import evaluate_ccae, load_ccae
     model, source, config = load_for_eval(args, "ccae", load_ccae)
-    print(json.dumps({**source, **evaluate_ccae(model, n=args.n, batch_size=config.get("batch_size", 32),
+    print(json.dumps({**source,
+                      **evaluate_ccae(model, n=args.n, batch_size=config.get("batch_size", 32),
                                                 seed=args.seed)}))
     return 0

@@ -16,7 +16,8 @@ DATA_ENV = "CAPSULE_BOOK_DATA"
 DEFAULT_DATA_ROOT = "~/.cache/capsule_book"
 
 def data_root(root: Optional[Union[str, os.PathLike]] = None) -> Path:
-    "The folder datasets live in: `root` if given, else `$CAPSULE_BOOK_DATA`, else `~/.cache/capsule_book`."
+    """The folder datasets live in: `root` if given, else
+    `$CAPSULE_BOOK_DATA`, else `~/.cache/capsule_book`."""
     if root is None:
         root = os.environ.get(DATA_ENV) or DEFAULT_DATA_ROOT
     return Path(root).expanduser()
@@ -30,20 +31,24 @@ import numpy as np
 IDX_TYPES = {0x08: "u1", 0x09: "i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 def read_idx(path: Union[str, os.PathLike]) -> np.ndarray:
-    "The array stored in an idx file (gzip-compressed if its name ends in `.gz`), in its shape and native byte order."
+    """The array stored in an idx file (gzip-compressed if its name ends in `.gz`), in
+    its shape and native byte order."""
     path = Path(path)
     with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
         data = f.read()
     if len(data) < 4 or data[:2] != b"\0\0" or data[2] not in IDX_TYPES:
         types = " ".join(f"{t:02x}" for t in IDX_TYPES)
-        raise ValueError(f"{path} is not an idx file: it starts with {data[:4].hex()}, where an idx file starts "
-                         f"with 00 00, a type byte (one of {types}) and the number of dimensions")
+        raise ValueError(f"{path} is not an idx file: it starts with {data[:4].hex()}, where an "
+                         f"idx file starts with 00 00, a type byte (one of {types}) and the number "
+                         "of dimensions")
     d, dtype = data[3], np.dtype(IDX_TYPES[data[2]])
     shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(d))
     if len(data) != 4 + 4 * d + prod(shape) * dtype.itemsize:
-        raise ValueError(f"{path} holds {len(data) - 4 - 4 * d} bytes of data where its header, shape {list(shape)}, "
-                         f"needs {prod(shape) * dtype.itemsize}: the file is cut short or corrupt")
-    return np.frombuffer(data, dtype, offset=4 + 4 * d).reshape(shape).astype(dtype.newbyteorder("="))
+        raise ValueError(f"{path} holds {len(data) - 4 - 4 * d} bytes of data where its header, "
+                         f"shape {list(shape)}, needs {prod(shape) * dtype.itemsize}: the file is "
+                         "cut short or corrupt")
+    return np.frombuffer(data, dtype,
+                         offset=4 + 4 * d).reshape(shape).astype(dtype.newbyteorder("="))
 
 # %% ../nbs/91_data.ipynb #f6b2d8c4
 from importlib.resources import files
@@ -58,17 +63,21 @@ def mnist_sample_folder() -> Path:
 import torch
 from torch import Tensor
 
-MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+               "t10k-labels-idx1-ubyte")
 
 def mnist_raw_folder(root: Optional[Union[str, os.PathLike]] = None) -> Path:
     "The folder torchvision reads MNIST from: `<data root>/MNIST/raw`."
     return data_root(root) / "MNIST" / "raw"
 
-def load_mnist(train: bool = True, root: Optional[Union[str, os.PathLike]] = None, limit: Optional[int] = None,
-               download: bool = True, sample: bool = False) -> tuple[Tensor, Tensor]:
-    """MNIST as in-memory tensors: images uint8 [N,28,28], labels int64 [N]; the first `limit` examples if given.
-    `sample=True` reads the subset shipped with the package (the first 2,000 training or 1,000 test digits)."""
-    if limit is not None and limit < 1: raise ValueError(f"limit must be a positive number of examples, got {limit}")
+def load_mnist(train: bool = True, root: Optional[Union[str, os.PathLike]] = None,
+               limit: Optional[int] = None, download: bool = True,
+               sample: bool = False) -> tuple[Tensor, Tensor]:
+    """MNIST as in-memory tensors: images uint8 [N,28,28], labels int64 [N]; the first `limit`
+    examples if given. `sample=True` reads the subset shipped with the package (the first 2,000
+    training or 1,000 test digits)."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be a positive number of examples, got {limit}")
     if sample:
         prefix = mnist_sample_folder() / ("train" if train else "t10k")
         images = torch.from_numpy(read_idx(f"{prefix}-images-idx3-ubyte.gz"))
@@ -80,10 +89,10 @@ def load_mnist(train: bool = True, root: Optional[Union[str, os.PathLike]] = Non
         except Exception as e:  # no files and no internet (or download=False)
             raw = mnist_raw_folder(root)
             raise FileNotFoundError(
-                f"MNIST was not found in {raw} and could not be downloaded ({type(e).__name__}). Put the four "
-                f"decompressed files {', '.join(MNIST_FILES)} in {raw}/ (or set {DATA_ENV} to a folder whose "
-                f"MNIST/raw/ holds them), or pass sample=True for the 2,000 training and 1,000 test digits shipped "
-                f"with the package.") from e
+                f"MNIST was not found in {raw} and could not be downloaded ({type(e).__name__}). "
+                f"Put the four decompressed files {', '.join(MNIST_FILES)} in {raw}/ (or set "
+                f"{DATA_ENV} to a folder whose MNIST/raw/ holds them), or pass sample=True for the "
+                f"2,000 training and 1,000 test digits shipped with the package.") from e
         images, labels = ds.data, ds.targets
     if limit is not None:
         images, labels = images[:limit], labels[:limit]
@@ -92,15 +101,18 @@ def load_mnist(train: bool = True, root: Optional[Union[str, os.PathLike]] = Non
 # %% ../nbs/91_data.ipynb #063b9eac
 import torch.nn.functional as F
 
-def random_shift(x: Tensor, max_shift: int = 2, generator: Optional[torch.Generator] = None) -> Tensor:
-    "Shift each image of `x` [B,C,H,W] by its own random (dy, dx) in [-max_shift, max_shift]², filling with zeros."
+def random_shift(x: Tensor, max_shift: int = 2,
+                 generator: Optional[torch.Generator] = None) -> Tensor:
+    """Shift each image of `x` [B,C,H,W] by its own random (dy, dx) in
+    [-max_shift, max_shift]², filling with zeros."""
     if x.dim() != 4:
         raise ValueError(f"random_shift expects images [B,C,H,W], got shape {list(x.shape)}")
     if max_shift == 0: return x
     B, C, H, W = x.shape
     p = max_shift
     xp = F.pad(x, (p, p, p, p))                                                    # [B,C,H+2p,W+2p]
-    d = torch.randint(0, 2 * p + 1, (2, B), generator=generator).to(x.device)     # window corners, [2,B]
+    # window corners, [2,B]
+    d = torch.randint(0, 2 * p + 1, (2, B), generator=generator).to(x.device)
     rows = (d[0][:, None] + torch.arange(H, device=x.device))[:, None, :, None]   # [B,1,H,1]
     cols = (d[1][:, None] + torch.arange(W, device=x.device))[:, None, None, :]   # [B,1,1,W]
     b = torch.arange(B, device=x.device)[:, None, None, None]
@@ -109,17 +121,21 @@ def random_shift(x: Tensor, max_shift: int = 2, generator: Optional[torch.Genera
 
 # %% ../nbs/91_data.ipynb #8f797106
 class MNISTBatches:
-    "Batches (images [B,1,28,28] float in [0,1], labels [B]) from in-memory MNIST, shuffled/shifted per (seed, epoch)."
+    """Batches (images [B,1,28,28] float in [0,1], labels [B]) from in-memory MNIST,
+    shuffled/shifted per (seed, epoch)."""
     def __init__(self, images: Tensor, labels: Tensor, batch_size: int = 128, shuffle: bool = False,
-                 max_shift: int = 0, seed: int = 0, rank: int = 0, world_size: int = 1, pad: bool = True,
-                 device: Union[str, torch.device] = "cpu"):
+                 max_shift: int = 0, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 pad: bool = True, device: Union[str, torch.device] = "cpu"):
         if images.dim() == 3: images = images[:, None]                    # [N,1,28,28]
         if images.shape[0] != labels.shape[0]:
-            raise ValueError(f"images and labels differ in length: {images.shape[0]} vs {labels.shape[0]}")
-        if not 0 <= rank < world_size: raise ValueError(f"rank {rank} outside world of size {world_size}")
+            raise ValueError(f"images and labels differ in length: {images.shape[0]} vs "
+                             f"{labels.shape[0]}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world of size {world_size}")
         self.images, self.labels, self.batch_size = images, labels, batch_size
         self.shuffle, self.max_shift, self.seed = shuffle, max_shift, seed
-        self.rank, self.world_size, self.pad, self.device = rank, world_size, pad, torch.device(device)
+        self.rank, self.world_size, self.pad, self.device = (
+            rank, world_size, pad, torch.device(device))
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -130,7 +146,8 @@ class MNISTBatches:
         "This process's example indices for the current epoch."
         n = self.labels.shape[0]
         if self.shuffle:
-            idx = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch))
+            idx = torch.randperm(
+                n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch))
         else:
             idx = torch.arange(n)
         if self.pad and n % self.world_size:
@@ -144,14 +161,19 @@ class MNISTBatches:
         return self.iter_from(0)
 
     def iter_from(self, first: int = 0):
-        "The epoch's batches from batch `first` on; skipped batches still draw their shifts, so the rest are the same."
+        """The epoch's batches from batch `first` on; skipped batches still draw their
+        shifts, so the rest are the same."""
         idx = self.indices()
-        g = torch.Generator().manual_seed((self.seed * 100_003 + self.epoch) * 1_009 + self.rank + 1)
+        g = torch.Generator().manual_seed((self.seed * 100_003 + self.epoch) * 1_009
+                                          + self.rank + 1)
         for k, s in enumerate(range(0, len(idx), self.batch_size)):
             j = idx[s : s + self.batch_size]
             if k < first:
-                if self.max_shift: torch.randint(0, 2 * self.max_shift + 1, (2, len(j)), generator=g)  # as random_shift
+                if self.max_shift:
+                    # as random_shift
+                    torch.randint(0, 2 * self.max_shift + 1, (2, len(j)), generator=g)
                 continue
-            x = self.images[j].to(self.device, non_blocking=True).float().div_(255)   # [B,1,28,28] in [0,1]
+            # [B,1,28,28] in [0,1]
+            x = self.images[j].to(self.device, non_blocking=True).float().div_(255)
             if self.max_shift: x = random_shift(x, self.max_shift, g)
             yield x, self.labels[j].to(self.device, non_blocking=True)

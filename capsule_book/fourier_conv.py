@@ -15,7 +15,8 @@ __all__ = ['dft_matrix', 'inverse_matrix', 'kernel_spectrum', 'fourier_conv2d']
 
 # %% ../nbs/94_fourier_conv.ipynb #072f1f3a
 def _frequencies(H: int, W: int, dtype=torch.float64) -> tuple[Tensor, Tensor]:
-    "Row and column frequencies u [F], v [F] of the half spectrum of a real H x W map (F = H (W//2 + 1), rfft2's order)."
+    """Row and column frequencies u [F], v [F] of the half spectrum of a real H x W map
+    (F = H (W//2 + 1), rfft2's order)."""
     u = torch.arange(H, dtype=dtype).repeat_interleave(W // 2 + 1)
     v = torch.arange(W // 2 + 1, dtype=dtype).repeat(H)
     return u, v
@@ -31,16 +32,22 @@ def _grid(rows: Tensor, cols: Tensor) -> tuple[Tensor, Tensor]:
     return p.flatten(), q.flatten()
 
 def dft_matrix(H: int, W: int, kh: Optional[int] = None, kw: Optional[int] = None) -> Tensor:
-    "Eq. (E.2) as a matrix [2F, kh*kw]: (Re; Im) of rfft2 of a map whose non-zero pixels are its top-left kh x kw (default: all)."
+    """Eq. (E.2) as a matrix [2F, kh*kw]: (Re; Im) of rfft2 of a map whose non-zero pixels are its
+    top-left kh x kw (default: all)."""
     kh, kw = kh or H, kw or W
-    theta = _phase(H, W, *_grid(torch.arange(kh, dtype=torch.float64), torch.arange(kw, dtype=torch.float64)))
+    theta = _phase(H, W,
+                   *_grid(torch.arange(kh, dtype=torch.float64),
+                          torch.arange(kw, dtype=torch.float64)))
     return torch.cat([torch.cos(theta), -torch.sin(theta)])
 
 # %% ../nbs/94_fourier_conv.ipynb #7b8b2481
 def inverse_matrix(H: int, W: int, kh: int, kw: int, sh: int = 1, sw: int = 1) -> Tensor:
-    "Eq. (E.6) as a matrix M [2F, Ph*Pw]: y = M^T (Re; Im) of a half spectrum, at the valid, strided positions of Eq. (E.1)."
+    """Eq. (E.6) as a matrix M [2F, Ph*Pw]: y = M^T (Re; Im) of a half spectrum, at the valid,
+    strided positions of Eq. (E.1)."""
     Ph, Pw = (H - kh) // sh + 1, (W - kw) // sw + 1
-    theta = _phase(H, W, *_grid(torch.arange(Ph, dtype=torch.float64) * sh, torch.arange(Pw, dtype=torch.float64) * sw))
+    theta = _phase(H, W,
+                   *_grid(torch.arange(Ph, dtype=torch.float64) * sh,
+                          torch.arange(Pw, dtype=torch.float64) * sw))
     _, v = _frequencies(H, W)
     alpha = torch.where((v == 0) | (2 * v == W), 1.0, 2.0).to(torch.float64)[:, None] / (H * W)
     return torch.cat([alpha * torch.cos(theta), -alpha * torch.sin(theta)])
@@ -52,12 +59,14 @@ def _dft(H: int, W: int, kh: int, kw: int, dtype: torch.dtype, device: str) -> T
     return dft_matrix(H, W, kh, kw).to(dtype=dtype, device=device)
 
 @lru_cache(maxsize=16)
-def _inverse(H: int, W: int, kh: int, kw: int, sh: int, sw: int, dtype: torch.dtype, device: str) -> Tensor:
+def _inverse(H: int, W: int, kh: int, kw: int, sh: int, sw: int, dtype: torch.dtype,
+             device: str) -> Tensor:
     "inverse_matrix(H, W, kh, kw, sh, sw) in `dtype` on `device`, made once per shape."
     return inverse_matrix(H, W, kh, kw, sh, sw).to(dtype=dtype, device=device)
 
 def kernel_spectrum(weight: Tensor, H: int, W: int) -> Tensor:
-    "(Re; Im) of the rfft2 of every kernel of `weight` [O,C,kh,kw] zero-padded to H x W, laid out [2, F, C, O]."
+    """(Re; Im) of the rfft2 of every kernel of `weight` [O,C,kh,kw] zero-padded
+    to H x W, laid out [2, F, C, O]."""
     O, C, kh, kw = weight.shape
     Dw = _dft(H, W, kh, kw, weight.dtype, str(weight.device))
     return torch.mm(Dw, weight.transpose(0, 1).reshape(C * O, kh * kw).t()).view(2, -1, C, O)
@@ -65,17 +74,23 @@ def kernel_spectrum(weight: Tensor, H: int, W: int) -> Tensor:
 class _FourierConv2d(torch.autograd.Function):
     "Eqs. (E.2)-(E.8): x [B,C,H,W], w [O,C,kh,kw], bias [O] or None -> y [B,O,Ph,Pw]."
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, bias: Optional[Tensor], sh: int, sw: int, Wh: Optional[Tensor]) -> Tensor:
+    def forward(ctx, x: Tensor, w: Tensor, bias: Optional[Tensor], sh: int, sw: int,
+                Wh: Optional[Tensor]) -> Tensor:
         B, C, H, W = x.shape
         O, _, kh, kw = w.shape
-        Dx, M = _dft(H, W, H, W, x.dtype, str(x.device)), _inverse(H, W, kh, kw, sh, sw, x.dtype, str(x.device))
+        Dx, M = (_dft(H, W, H, W, x.dtype, str(x.device)),
+                 _inverse(H, W, kh, kw, sh, sw, x.dtype, str(x.device)))
         F2 = Dx.shape[0]; Fn = F2 // 2; Ph, Pw = (H - kh) // sh + 1, (W - kw) // sw + 1
-        X = torch.mm(Dx, x.reshape(B * C, H * W).t()).view(2, Fn, B, C)       # Eq. (E.2): (Re; Im) x̂, [2, F, B, C]
-        Wh = kernel_spectrum(w, H, W) if Wh is None else Wh                   # (Re; Im) ŵ, [2, F, C, O]
-        Y = x.new_empty(2, Fn, B, O)                                          # Eq. (E.5): (Re; Im) ŷ
+        # Eq. (E.2): (Re; Im) x̂, [2, F, B, C]
+        X = torch.mm(Dx, x.reshape(B * C, H * W).t()).view(2, Fn, B, C)
+        # (Re; Im) ŵ, [2, F, C, O]
+        Wh = kernel_spectrum(w, H, W) if Wh is None else Wh
+        # Eq. (E.5): (Re; Im) ŷ
+        Y = x.new_empty(2, Fn, B, O)
         torch.bmm(X[0], Wh[0], out=Y[0]).baddbmm_(X[1], Wh[1])
         torch.bmm(X[1], Wh[0], out=Y[1]).baddbmm_(X[0], Wh[1], alpha=-1)
-        y = torch.mm(M.t(), Y.view(F2, B * O)).view(Ph, Pw, B, O).permute(2, 3, 0, 1)   # Eq. (E.6): [B, O, Ph, Pw]
+        # Eq. (E.6): [B, O, Ph, Pw]
+        y = torch.mm(M.t(), Y.view(F2, B * O)).view(Ph, Pw, B, O).permute(2, 3, 0, 1)
         ctx.save_for_backward(X, Wh)
         ctx.shapes = (B, C, H, W, O, kh, kw, sh, sw)
         y = y.contiguous()
@@ -87,17 +102,21 @@ class _FourierConv2d(torch.autograd.Function):
         X, Wh = ctx.saved_tensors
         B, C, H, W, O, kh, kw, sh, sw = ctx.shapes
         dev = str(X.device)
-        Dx, Dw, M = _dft(H, W, H, W, X.dtype, dev), _dft(H, W, kh, kw, X.dtype, dev), _inverse(H, W, kh, kw, sh, sw, X.dtype, dev)
+        Dx, Dw, M = (_dft(H, W, H, W, X.dtype, dev), _dft(H, W, kh, kw, X.dtype, dev),
+                     _inverse(H, W, kh, kw, sh, sw, X.dtype, dev))
         F2 = Dx.shape[0]; Fn = F2 // 2; Ph, Pw = gy.shape[-2:]
-        G = torch.mm(M, gy.permute(2, 3, 0, 1).reshape(Ph * Pw, B * O)).view(2, Fn, B, O)  # ∂L/∂(Re ŷ; Im ŷ)
+        # ∂L/∂(Re ŷ; Im ŷ)
+        G = torch.mm(M, gy.permute(2, 3, 0, 1).reshape(Ph * Pw, B * O)).view(2, Fn, B, O)
         gx = gw = gb = None
-        if ctx.needs_input_grad[0]:                                           # Eq. (E.7), then D_x^T
+        # Eq. (E.7), then D_x^T
+        if ctx.needs_input_grad[0]:
             gX = X.new_empty(2, Fn, B, C)
             Wr_t, Wi_t = Wh[0].transpose(1, 2), Wh[1].transpose(1, 2)
             torch.bmm(G[0], Wr_t, out=gX[0]).baddbmm_(G[1], Wi_t, alpha=-1)
             torch.bmm(G[0], Wi_t, out=gX[1]).baddbmm_(G[1], Wr_t)
             gx = torch.mm(gX.view(F2, B * C).t(), Dx).view(B, C, H, W)
-        if ctx.needs_input_grad[1]:                                           # Eq. (E.8), then D_w^T
+        # Eq. (E.8), then D_w^T
+        if ctx.needs_input_grad[1]:
             gWh = X.new_empty(2, Fn, C, O)
             Xr_t, Xi_t = X[0].transpose(1, 2), X[1].transpose(1, 2)
             torch.bmm(Xr_t, G[0], out=gWh[0]).baddbmm_(Xi_t, G[1])
@@ -109,15 +128,19 @@ class _FourierConv2d(torch.autograd.Function):
 
 # %% ../nbs/94_fourier_conv.ipynb #7b2e9ec4
 def fourier_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
-                   stride: Union[int, tuple[int, int]] = 1, weight_spectrum: Optional[Tensor] = None) -> Tensor:
-    "F.conv2d(x, weight, bias, stride) (no padding, dilation, groups) by Eqs. (E.2)-(E.8): [B,O,Ph,Pw]; `weight_spectrum`: a cached kernel_spectrum."
+                   stride: Union[int, tuple[int, int]] = 1,
+                   weight_spectrum: Optional[Tensor] = None) -> Tensor:
+    """F.conv2d(x, weight, bias, stride) (no padding, dilation, groups) by Eqs. (E.2)-(E.8):
+    [B,O,Ph,Pw]; `weight_spectrum`: a cached kernel_spectrum."""
     sh, sw = (stride, stride) if isinstance(stride, int) else tuple(stride)
     if x.dim() != 4 or weight.dim() != 4:
-        raise ValueError(f"fourier_conv2d expects x [B,C,H,W] and weight [O,C,kh,kw], got {list(x.shape)} and {list(weight.shape)}")
+        raise ValueError("fourier_conv2d expects x [B,C,H,W] and weight [O,C,kh,kw], got "
+                         f"{list(x.shape)} and {list(weight.shape)}")
     B, C, H, W = x.shape
     O, Cw, kh, kw = weight.shape
     if Cw != C:
-        raise ValueError(f"weight [O,C,kh,kw] = {list(weight.shape)} expects C = {Cw} input channels, x has {C}")
+        raise ValueError(f"weight [O,C,kh,kw] = {list(weight.shape)} expects C = {Cw} input "
+                         f"channels, x has {C}")
     if kh > H or kw > W:
         raise ValueError(f"kernel {kh}x{kw} is larger than the {H}x{W} input")
     if sh < 1 or sw < 1:
@@ -125,7 +148,8 @@ def fourier_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     if bias is not None and bias.shape != (O,):
         raise ValueError(f"bias must have shape [{O}], got {list(bias.shape)}")
     if not (x.is_floating_point() and x.dtype == weight.dtype):
-        raise TypeError(f"x and weight must share one floating dtype, got {x.dtype} and {weight.dtype}")
+        raise TypeError(f"x and weight must share one floating dtype, got {x.dtype} and "
+                        f"{weight.dtype}")
     if weight_spectrum is not None and weight_spectrum.shape != (2, H * (W // 2 + 1), C, O):
         raise ValueError(f"weight_spectrum must be kernel_spectrum(weight, {H}, {W}) of shape "
                          f"[2, {H * (W // 2 + 1)}, {C}, {O}], got {list(weight_spectrum.shape)}")

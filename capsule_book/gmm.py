@@ -16,86 +16,112 @@ __all__ = ['gaussian_log_density', 'gmm_log_joint', 'gmm_log_likelihood', 'gmm_l
 # %% ../nbs/07_gmm.ipynb #2397e311
 def _check_gmm_inputs(x: Tensor, presence: Optional[Tensor], means: Tensor, scales: Tensor,
                       mixing_logits: Optional[Tensor]) -> None:
-    "Refuse, naming expected and received, all but x [B,M,D], presence [B,M], means [B,C,D], logits [B,C], scales [B,C] > 0."
+    """Refuse, naming expected and received, all but x [B,M,D], presence [B,M], means [B,C,D],
+    logits [B,C], scales [B,C] > 0."""
     if x.dim() != 3:
         raise ValueError(f"x must be [B, M, D], got shape {tuple(x.shape)}")
     B, M, D = x.shape
     C = means.shape[1] if means.dim() == 3 else -1
     expected = {"presence": (B, M), "means": (B, C, D), "scales": (B, C), "mixing_logits": (B, C)}
-    for name, t in (("presence", presence), ("means", means), ("scales", scales), ("mixing_logits", mixing_logits)):
+    for name, t in (("presence", presence), ("means", means), ("scales", scales),
+                    ("mixing_logits", mixing_logits)):
         if t is not None and (tuple(t.shape) != expected[name] or C < 1):
             raise ValueError(f"{name} must have shape {expected[name] if C > 0 else '[B, C, D]'} "
-                             f"(from x {tuple(x.shape)} and means {tuple(means.shape)}), got {tuple(t.shape)}")
-    ok = (scales > 0) & torch.isfinite(scales)                                 # λ_c > 0: log λ_c and 1/λ_c² of Eq. (7.1)
-    if presence is not None:                                                  # an example with no point uses no scale
+                             f"(from x {tuple(x.shape)} and means {tuple(means.shape)}), got "
+                             f"{tuple(t.shape)}")
+    # λ_c > 0: log λ_c and 1/λ_c² of Eq. (7.1)
+    ok = (scales > 0) & torch.isfinite(scales)
+    # an example with no point uses no scale
+    if presence is not None:
         ok |= ~presence.bool().any(1, keepdim=True)
-    if not ok.all():                                                          # one reduction; the culprit only on failure
+    # one reduction; the culprit only on failure
+    if not ok.all():
         first = (~ok).nonzero()[0].tolist()
-        raise ValueError(f"scales must be positive and finite (each λ_c is a standard deviation); got min "
-                         f"{scales.min().item():.3g}, max {scales.max().item():.3g}, "
+        raise ValueError("scales must be positive and finite (each λ_c is a standard deviation); "
+                         f"got min {scales.min().item():.3g}, max {scales.max().item():.3g}, "
                          f"scales{first} = {scales[tuple(first)].item():.3g}")
 
 def _log_normal(x: Tensor, means: Tensor, scales: Tensor) -> Tensor:
     "Eq. (7.1) on checked inputs: x [B,M,D], means [B,C,D], scales [B,C] → [B,M,C]."
     D = x.shape[-1]
-    sq_dist = (x[:, :, None, :] - means[:, None, :, :]).pow(2).sum(-1)       # ‖x_m − μ_c‖², [B, M, C]
+    # ‖x_m − μ_c‖², [B, M, C]
+    sq_dist = (x[:, :, None, :] - means[:, None, :, :]).pow(2).sum(-1)
     lam = scales[:, None, :]                                                  # λ_c, [B, 1, C]
     return -0.5 * D * math.log(2 * math.pi) - D * torch.log(lam) - sq_dist / (2 * lam**2)
 
 def gaussian_log_density(x: Tensor, means: Tensor, scales: Tensor) -> Tensor:
-    "Eq. (7.1): log N(x_m | μ_c, λ_c I) for x [B,M,D], means [B,C,D], scales [B,C] (positive); returns [B,M,C]."
+    """Eq. (7.1): log N(x_m | μ_c, λ_c I) for x [B,M,D], means [B,C,D], scales
+    [B,C] (positive); returns [B,M,C]."""
     _check_gmm_inputs(x, None, means, scales, None)
     return _log_normal(x, means, scales)
 
 def gmm_log_joint(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mixing_logits: Tensor,
                   background: Optional[float] = None) -> Tensor:
-    "The terms of Eq. (7.2), log π_c + log N(x_m | μ_c, λ_c): [B,M,C] ([B,M,C+1] with the background of Eq. 7.4 last); absent points moved to 0, an empty example's scales to 1."
+    """The terms of Eq. (7.2), log π_c + log N(x_m | μ_c, λ_c): [B,M,C]
+    ([B,M,C+1] with the background of Eq. 7.4 last); absent points moved to 0,
+    an empty example's scales to 1."""
     _check_gmm_inputs(x, presence, means, scales, mixing_logits)
     present = presence.bool()
-    x = torch.where(present[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))  # [B, M, D]
-    scales = torch.where(present.any(1, keepdim=True), scales, torch.ones((), dtype=scales.dtype, device=scales.device))
-    log_density = _log_normal(x, means, scales)                               # log N(x_m | μ_c, λ_c), [B, M, C]
-    if background is not None:                                                 # Eq. (7.4), below: one more component
+    # [B, M, D]
+    x = torch.where(present[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+    scales = torch.where(present.any(1, keepdim=True), scales,
+                         torch.ones((), dtype=scales.dtype, device=scales.device))
+    # log N(x_m | μ_c, λ_c), [B, M, C]
+    log_density = _log_normal(x, means, scales)
+    # Eq. (7.4), below: one more component
+    if background is not None:
         check_background(background)
         B, M, C = log_density.shape
         log_b = math.log(background)
-        mixing_logits = torch.cat([mixing_logits, mixing_logits.new_full((B, 1), log_b)], -1)  # [B, C+1]
-        log_density = torch.cat([log_density, log_density.new_full((B, M, 1), log_b)], -1)     # [B, M, C+1]
+        # [B, C+1]
+        mixing_logits = torch.cat([mixing_logits, mixing_logits.new_full((B, 1), log_b)], -1)
+        # [B, M, C+1]
+        log_density = torch.cat([log_density, log_density.new_full((B, M, 1), log_b)], -1)
     log_pi = torch.log_softmax(mixing_logits, dim=-1)                          # log π_c, [B, C(+1)]
     return log_pi[:, None, :] + log_density                                    # [B, M, C(+1)]
 
 
 # %% ../nbs/07_gmm.ipynb #3206a2fd
-def gmm_log_likelihood(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mixing_logits: Tensor,
-                       background: Optional[float] = None) -> Tensor:
-    "Eq. (7.2) (Eq. 7.4 with a `background` density): log p(x_1:M) [B], summed over present points only."
-    return gmm_log_likelihood_from_joint(gmm_log_joint(x, presence, means, scales, mixing_logits, background), presence)
+def gmm_log_likelihood(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor,
+                       mixing_logits: Tensor, background: Optional[float] = None) -> Tensor:
+    """Eq. (7.2) (Eq. 7.4 with a `background` density): log p(x_1:M) [B],
+    summed over present points only."""
+    return gmm_log_likelihood_from_joint(gmm_log_joint(x, presence, means, scales, mixing_logits,
+                                                       background), presence)
 
 def _check_joint(log_joint: Tensor, presence: Tensor, n_votes: int = 1) -> None:
-    "Raise a ValueError naming the shapes unless log_joint is [B, M, C] with C >= n_votes and presence is [B, M]."
-    if log_joint.dim() != 3 or log_joint.shape[:2] != presence.shape or log_joint.shape[2] < n_votes:
+    """Raise a ValueError naming the shapes unless log_joint is [B, M, C] with C >=
+    n_votes and presence is [B, M]."""
+    if (log_joint.dim() != 3 or log_joint.shape[:2] != presence.shape
+        or log_joint.shape[2] < n_votes):
         raise ValueError(f"log_joint must be [B, M, C] (C >= {n_votes}) with presence [B, M], got "
                          f"{tuple(log_joint.shape)} and {tuple(presence.shape)}")
 
 def gmm_log_likelihood_from_joint(log_joint: Tensor, presence: Tensor) -> Tensor:
-    "Eq. (7.2) from its terms (`gmm_log_joint`, [B,M,C]): log-sum-exp over components, summed over present points: [B]."
+    """Eq. (7.2) from its terms (`gmm_log_joint`, [B,M,C]): log-sum-exp over components,
+    summed over present points: [B]."""
     _check_joint(log_joint, presence)
     log_p_m = torch.logsumexp(log_joint, dim=-1)                              # log p(x_m), [B, M]
-    return torch.where(presence.bool(), log_p_m, torch.zeros_like(log_p_m)).sum(-1)  # Σ over d_m = 1, [B]
+    # Σ over d_m = 1, [B]
+    return torch.where(presence.bool(), log_p_m, torch.zeros_like(log_p_m)).sum(-1)
 
 
 # %% ../nbs/07_gmm.ipynb #1068898d
 def plot_log_likelihood_stability(lam: float = 1.0, M: int = 11, r_max: float = 12.0, n: int = 300):
-    "Log-likelihood of M points r·λ from their votes, naive product vs Eq. (7.2), float32 vs float64; returns the Figure."
+    """Log-likelihood of M points r·λ from their votes, naive product vs Eq. (7.2), float32
+    vs float64; returns the Figure."""
     import matplotlib.pyplot as plt
     r = torch.linspace(0, r_max, n, dtype=torch.float64)                           # [n]
-    means = torch.zeros(n, 1, 2, dtype=torch.float64)                              # one vote at the origin
+    # one vote at the origin
+    means = torch.zeros(n, 1, 2, dtype=torch.float64)
     x = torch.zeros(n, M, 2, dtype=torch.float64)
-    x[:, :, 0] = r[:, None] * lam                                                  # every point r·λ away
+    # every point r·λ away
+    x[:, :, 0] = r[:, None] * lam
     args = (torch.ones(n, M, dtype=torch.bool), means, torch.full((n, 1), lam, dtype=torch.float64),
             torch.zeros(n, 1, dtype=torch.float64))
     exact = gmm_log_likelihood(x, *args)
-    stable32 = gmm_log_likelihood(x.float(), *(a.float() if a.is_floating_point() else a for a in args))
+    stable32 = gmm_log_likelihood(x.float(),
+                                  *(a.float() if a.is_floating_point() else a for a in args))
     dens32 = torch.exp(-(x.float()[..., 0] ** 2) / (2 * lam**2)) / (2 * math.pi * lam**2)  # [n, M]
     naive32 = torch.log(dens32.prod(-1))
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -116,21 +142,27 @@ def plot_log_likelihood_stability(lam: float = 1.0, M: int = 11, r_max: float = 
 
 # %% ../nbs/07_gmm.ipynb #4afa4e2e
 def check_background(background: Optional[float]) -> Optional[float]:
-    "The background density of Eq. (7.4): a positive number (official 0.01), or None for none; anything else is refused."
+    """The background density of Eq. (7.4): a positive number (official 0.01), or None for
+    none; anything else is refused."""
     if background is not None and not (isinstance(background, (int, float)) and background > 0):
-        raise ValueError(f"background must be a positive number (the official value is 0.01) or None, got {background!r}")
+        raise ValueError("background must be a positive number (the official value is 0.01) or "
+                         f"None, got {background!r}")
     return background
 
 # %% ../nbs/07_gmm.ipynb #d86e6a21
 def gmm_posterior(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mixing_logits: Tensor,
                   background: Optional[float] = None) -> Tensor:
-    "Eq. (7.3): p(c | x_m) [B,M,C] for present points (rows of 0 for absent ones); the background's share is left out."
-    log_joint = gmm_log_joint(x, presence, means, scales, mixing_logits, background)  # [B, M, C(+1)]
+    """Eq. (7.3): p(c | x_m) [B,M,C] for present points (rows of 0 for absent ones); the
+    background's share is left out."""
+    # [B, M, C(+1)]
+    log_joint = gmm_log_joint(x, presence, means, scales, mixing_logits, background)
     return gmm_posterior_from_joint(log_joint, presence, n_votes=means.shape[1])
 
 def gmm_posterior_from_joint(log_joint: Tensor, presence: Tensor, n_votes: int) -> Tensor:
-    "Eq. (7.3) from the terms of Eq. (7.2) ([B,M,C] or [B,M,C+1]): the first `n_votes` columns of their softmax, rows of 0 for absent points."
+    """Eq. (7.3) from the terms of Eq. (7.2) ([B,M,C] or [B,M,C+1]): the first `n_votes` columns of
+    their softmax, rows of 0 for absent points."""
     _check_joint(log_joint, presence, n_votes)
-    post = torch.softmax(log_joint, dim=-1)[..., :n_votes]                   # [B, M, C], the votes only
+    # [B, M, C], the votes only
+    post = torch.softmax(log_joint, dim=-1)[..., :n_votes]
     return torch.where(presence.bool()[..., None], post, torch.zeros_like(post))
 

@@ -13,49 +13,61 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .set_transformer import SetTransformer
-from .train import RunResult, SyntheticStream, Task, UserError, fit, init_distributed, load_checkpoint
+from .train import (RunResult, SyntheticStream, Task, UserError, fit, init_distributed,
+                                load_checkpoint)
 
 # %% auto #0
 __all__ = ['BENCHMARK_SEED', 'MOG_MODELS', 'MOG_RUN_KEYS', 'sample_mog', 'mog_log_prob', 'parse_mog', 'mog_nll', 'mog_benchmark',
            'evaluate_mog', 'DeepSet', 'mog_model', 'MogConfig', 'mog_task', 'train_mog', 'load_mog', 'plot_mog_fits']
 
 # %% ../nbs/05b_mog.ipynb #6937dfac
-def sample_mog(batch: int, n: int, k: int = 4, dim: int = 2, sigma: float = 0.3, lo: float = -4.0, hi: float = 4.0,
-               generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
-    "Sets from mixtures of k Gaussians (Sec 5.3): X [B, n, dim], labels [B, n], true (π [B, k], μ [B, k, dim], σ [B, k, dim])."
+def sample_mog(batch: int, n: int, k: int = 4, dim: int = 2, sigma: float = 0.3, lo: float = -4.0,
+               hi: float = 4.0, generator: Optional[torch.Generator] = None
+               ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """Sets from mixtures of k Gaussians (Sec 5.3): X [B, n, dim], labels [B, n], true
+    (π [B, k], μ [B, k, dim], σ [B, k, dim])."""
     e = -torch.rand(batch, k, generator=generator).clamp_min(1e-12).log()     # Exp(1)
-    pi = e / e.sum(-1, keepdim=True)                                           # π ~ Dirichlet(1, …, 1): [B, k]
-    mu = lo + (hi - lo) * torch.rand(batch, k, dim, generator=generator)       # μ_j ~ U(lo, hi)^dim: [B, k, dim]
+    # π ~ Dirichlet(1, …, 1): [B, k]
+    pi = e / e.sum(-1, keepdim=True)
+    # μ_j ~ U(lo, hi)^dim: [B, k, dim]
+    mu = lo + (hi - lo) * torch.rand(batch, k, dim, generator=generator)
     sig = torch.full((batch, k, dim), sigma)                                   # σ: [B, k, dim]
-    labels = torch.multinomial(pi, n, replacement=True, generator=generator)   # z_i ~ Cat(π): [B, n]
+    # z_i ~ Cat(π): [B, n]
+    labels = torch.multinomial(pi, n, replacement=True, generator=generator)
     idx = labels.unsqueeze(-1).expand(-1, -1, dim)
     X = mu.gather(1, idx) + sig.gather(1, idx) * torch.randn(batch, n, dim, generator=generator)
     return X, labels, (pi, mu, sig)
 
 def mog_log_prob(X: Tensor, pi: Tensor, mu: Tensor, sigma: Tensor) -> Tensor:
-    "log Σ_j π_j Π_c N(x_c; μ_jc, σ_jc²) for every point; X [B, n, D], π [B, k], μ and σ [B, k, D] → [B, n]."
-    x, m, s = X.unsqueeze(2), mu.unsqueeze(1), sigma.unsqueeze(1)              # [B, n, 1, D], [B, 1, k, D]
-    log_n = (-0.5 * math.log(2 * math.pi) - s.log() - 0.5 * ((x - m) / s) ** 2).sum(-1)   # log N: [B, n, k]
+    """log Σ_j π_j Π_c N(x_c; μ_jc, σ_jc²) for every point; X [B, n, D], π
+    [B, k], μ and σ [B, k, D] → [B, n]."""
+    # [B, n, 1, D], [B, 1, k, D]
+    x, m, s = X.unsqueeze(2), mu.unsqueeze(1), sigma.unsqueeze(1)
+    # log N: [B, n, k]
+    log_n = (-0.5 * math.log(2 * math.pi) - s.log() - 0.5 * ((x - m) / s) ** 2).sum(-1)
     return torch.logsumexp(log_n + pi.clamp_min(1e-30).log().unsqueeze(1), dim=-1)        # [B, n]
 
 def parse_mog(raw: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     "Network output [B, k, 1+2D] → π = softmax(logits) [B, k], μ [B, k, D], σ = softplus [B, k, D]."
     D = (raw.shape[-1] - 1) // 2
     if raw.shape[-1] != 1 + 2 * D:
-        raise ValueError(f"a mixture output must have 1 + 2·D features per component, got {raw.shape[-1]}")
+        raise ValueError("a mixture output must have 1 + 2·D features per component, got "
+                         f"{raw.shape[-1]}")
     return raw[..., 0].softmax(-1), raw[..., 1:1 + D], F.softplus(raw[..., 1 + D:]) + 1e-6
 
 def mog_nll(raw: Tensor, X: Tensor, mask: Optional[Tensor] = None) -> Tensor:
-    "The loss: minus the log-likelihood per point of X [B, n, D] under parse_mog(raw), averaged over present points."
+    """The loss: minus the log-likelihood per point of X [B, n, D] under
+    parse_mog(raw), averaged over present points."""
     lp = mog_log_prob(X, *parse_mog(raw))                                      # [B, n]
     return -lp.mean() if mask is None else -(lp * mask).sum() / mask.sum()
 
 # %% ../nbs/05b_mog.ipynb #4856b703
 BENCHMARK_SEED = 2019
 
-def mog_benchmark(n_batches: int = 100, batch: int = 10, n_min: int = 100, n_max: int = 500, k: int = 4,
-                  seed: int = BENCHMARK_SEED) -> tuple[list[Tensor], float]:
-    "Held-out sets: n_batches batches of `batch` sets, n ~ U{n_min..n_max} per batch; returns (sets, oracle LL per point)."
+def mog_benchmark(n_batches: int = 100, batch: int = 10, n_min: int = 100, n_max: int = 500,
+                  k: int = 4, seed: int = BENCHMARK_SEED) -> tuple[list[Tensor], float]:
+    """Held-out sets: n_batches batches of `batch` sets, n ~ U{n_min..n_max} per batch;
+    returns (sets, oracle LL per point)."""
     g = torch.Generator().manual_seed(seed)
     sets, oracle = [], 0.0
     for _ in range(n_batches):
@@ -66,8 +78,10 @@ def mog_benchmark(n_batches: int = 100, batch: int = 10, n_min: int = 100, n_max
     return sets, oracle / n_batches
 
 @torch.no_grad()
-def evaluate_mog(model: nn.Module, sets: Sequence[Tensor], device: Optional[torch.device] = None) -> float:
-    "Log-likelihood per point of `sets` (each [B, n, 2]) under the mixtures the model writes, averaged over batches."
+def evaluate_mog(model: nn.Module, sets: Sequence[Tensor],
+                 device: Optional[torch.device] = None) -> float:
+    """Log-likelihood per point of `sets` (each [B, n, 2]) under the mixtures the model
+    writes, averaged over batches."""
     was_training = model.training
     model.eval()
     device = device or next(model.parameters()).device
@@ -77,7 +91,8 @@ def evaluate_mog(model: nn.Module, sets: Sequence[Tensor], device: Optional[torc
 
 # %% ../nbs/05b_mog.ipynb #eb6ab43b
 class DeepSet(nn.Module):
-    "rFF + pooling: per-point MLP (4 layers), mean over the set, MLP (3 layers) → k outputs; X [B, n, d_in] → [B, k, d_out]."
+    """rFF + pooling: per-point MLP (4 layers), mean over the set, MLP (3 layers) → k outputs;
+    X [B, n, d_in] → [B, k, d_out]."""
     def __init__(self, dim_in: int, dim_out: int, n_outputs: int, dim: int = 128):
         super().__init__()
         self.n_outputs, self.dim_out = n_outputs, dim_out
@@ -85,11 +100,14 @@ class DeepSet(nn.Module):
         for _ in range(3): layers += [nn.Linear(dim, dim), nn.ReLU()]
         self.encoder = nn.Sequential(*layers)                                     # rFF: [B, n, dim]
         self.decoder = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim), nn.ReLU(),
-                                     nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, n_outputs * dim_out))
+                                     nn.Linear(dim, dim), nn.ReLU(),
+                                     nn.Linear(dim, n_outputs * dim_out))
 
     def forward(self, X: Tensor) -> Tensor:
-        if X.dim() != 3: raise ValueError(f"expected a batch of sets [B, n, d], got shape {tuple(X.shape)}")
-        pooled = self.encoder(X).mean(1)                                          # mean pooling: [B, dim]
+        if X.dim() != 3:
+            raise ValueError(f"expected a batch of sets [B, n, d], got shape {tuple(X.shape)}")
+        # mean pooling: [B, dim]
+        pooled = self.encoder(X).mean(1)
         return self.decoder(pooled).view(-1, self.n_outputs, self.dim_out)       # [B, k, 1 + 2D]
 
 MOG_MODELS = ("rff-pooling", "sab-pma", "isab-pma")
@@ -98,15 +116,18 @@ def mog_model(config: dict) -> nn.Module:
     "The untrained network of a MoG run's `config` (keys model, dim, n_heads, n_inducing, k)."
     name, dim, k = config["model"], config["dim"], config["k"]
     if name == "rff-pooling": return DeepSet(2, 5, k, dim=dim)
-    if name == "sab-pma": return SetTransformer(2, 5, k, dim=dim, n_heads=config["n_heads"], n_layers=2)
+    if name == "sab-pma":
+        return SetTransformer(2, 5, k, dim=dim, n_heads=config["n_heads"], n_layers=2)
     if name == "isab-pma":
-        return SetTransformer(2, 5, k, dim=dim, n_heads=config["n_heads"], n_layers=2, n_inducing=config["n_inducing"])
+        return SetTransformer(2, 5, k, dim=dim, n_heads=config["n_heads"], n_layers=2,
+                              n_inducing=config["n_inducing"])
     raise ValueError(f"model must be one of {', '.join(MOG_MODELS)}, got {name!r}")
 
 # %% ../nbs/05b_mog.ipynb #d7d8f051
 @dataclass
 class MogConfig:
-    "Settings of a MoG run; the defaults are the paper's recipe (Sec. 5.3 and its supplementary material)."
+    """Settings of a MoG run; the defaults are the paper's recipe
+    (Sec. 5.3 and its supplementary material)."""
     model: str = "sab-pma"                # rff-pooling, sab-pma or isab-pma
     dim: int = 128
     n_heads: int = 4
@@ -117,7 +138,8 @@ class MogConfig:
     decay_step: int = 35_000              # η ÷ 10 from this step on
     n_min: int = 100
     n_max: int = 500
-    eval_batches: int = 100               # the held-out benchmark: batches of 10 sets, seed BENCHMARK_SEED
+    # the held-out benchmark: batches of 10 sets, seed BENCHMARK_SEED
+    eval_batches: int = 100
     steps: int = 50_000
     seed: int = 0
     device: Optional[str] = None
@@ -131,18 +153,22 @@ class MogConfig:
     log_every: int = 50
     eval_every: int = 1000
 
-MOG_RUN_KEYS = ("model", "dim", "n_heads", "n_inducing", "k", "batch_size", "lr", "decay_step", "n_min", "n_max",
-                "eval_batches", "seed")
+MOG_RUN_KEYS = ("model", "dim", "n_heads", "n_inducing", "k", "batch_size", "lr", "decay_step",
+                "n_min", "n_max", "eval_batches", "seed")
 
-def mog_task(cfg: MogConfig, device: Union[str, torch.device] = "cpu", resume_command: str = "") -> Task:
-    "The engine's task for a MoG run: mog_model, Adam, η(s), fresh sets, −Eq. (5b.1), the held-out benchmark."
-    if not 1 <= cfg.n_min <= cfg.n_max: raise ValueError(f"need 1 <= n_min <= n_max, got {cfg.n_min} and {cfg.n_max}")
+def mog_task(cfg: MogConfig, device: Union[str, torch.device] = "cpu",
+             resume_command: str = "") -> Task:
+    """The engine's task for a MoG run: mog_model, Adam, η(s), fresh sets, −Eq.
+    (5b.1), the held-out benchmark."""
+    if not 1 <= cfg.n_min <= cfg.n_max:
+        raise ValueError(f"need 1 <= n_min <= n_max, got {cfg.n_min} and {cfg.n_max}")
     config = {k: getattr(cfg, k) for k in MOG_RUN_KEYS}
     torch.manual_seed(cfg.seed)
     model = mog_model(config).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
 
-    def batch(g: torch.Generator) -> list[Tensor]:                   # a chunk of one batch: 10 sets, one n
+    # a chunk of one batch: 10 sets, one n
+    def batch(g: torch.Generator) -> list[Tensor]:
         n = int(torch.randint(cfg.n_min, cfg.n_max + 1, (1,), generator=g))
         return [sample_mog(cfg.batch_size, n, cfg.k, generator=g)[0]]
 
@@ -160,21 +186,27 @@ def train_mog(cfg: MogConfig, resume_command: str = "") -> RunResult:
     "Train a MoG model as `cfg` says, through the engine."
     from capsule_book.utils import pick_device
     task = mog_task(cfg, pick_device(cfg.device), resume_command)
-    return fit(task, cfg.steps, out=cfg.out, resume=cfg.resume, max_minutes=cfg.max_minutes, stop_at=cfg.stop_at,
-               checkpoint_every=cfg.checkpoint_every, checkpoint_minutes=cfg.checkpoint_minutes,
-               log_every=cfg.log_every, eval_every=cfg.eval_every, progress=cfg.progress)
+    return fit(task, cfg.steps, out=cfg.out, resume=cfg.resume, max_minutes=cfg.max_minutes,
+               stop_at=cfg.stop_at, checkpoint_every=cfg.checkpoint_every,
+               checkpoint_minutes=cfg.checkpoint_minutes, log_every=cfg.log_every,
+               eval_every=cfg.eval_every, progress=cfg.progress)
 
-def load_mog(path: Union[str, Path], device: Union[str, torch.device] = "cpu") -> tuple[nn.Module, dict]:
-    "The model of a MoG run's checkpoint (eval mode, on `device`) and the checkpoint; another model's is refused."
+def load_mog(path: Union[str, Path],
+             device: Union[str, torch.device] = "cpu") -> tuple[nn.Module, dict]:
+    """The model of a MoG run's checkpoint (eval mode, on `device`) and the
+    checkpoint; another model's is refused."""
     ck = load_checkpoint(path, map_location=device)
-    if ck.get("task") != "mog": raise UserError(f"{path} holds a {ck.get('task', 'unknown')} checkpoint, not a MoG one")
+    if ck.get("task") != "mog":
+        raise UserError(f"{path} holds a {ck.get('task', 'unknown')} checkpoint, not a MoG one")
     model = mog_model(ck["config"]).to(device)
     model.load_state_dict(ck["model"])
     return model.eval(), ck
 
 # %% ../nbs/05b_mog.ipynb #23517b9a
-def plot_mog_fits(model: nn.Module, X: Tensor, truth: Optional[tuple[Tensor, Tensor, Tensor]] = None, ncols: int = 4):
-    "Scatter each set of X [B, n, 2] with the Gaussians the model fits (and the true means, if given); returns the Figure."
+def plot_mog_fits(model: nn.Module, X: Tensor,
+                  truth: Optional[tuple[Tensor, Tensor, Tensor]] = None, ncols: int = 4):
+    """Scatter each set of X [B, n, 2] with the Gaussians the model fits
+    (and the true means, if given); returns the Figure."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Ellipse
     model.eval()
@@ -194,8 +226,9 @@ def plot_mog_fits(model: nn.Module, X: Tensor, truth: Optional[tuple[Tensor, Ten
         ax.scatter(X[b, :, 0], X[b, :, 1], s=3, c=[colors[int(j) % 10] for j in z[b]], alpha=0.6)
         for j in range(mu.shape[1]):
             for r in (1, 2):
-                ax.add_patch(Ellipse(mu[b, j].tolist(), 2 * r * sig[b, j, 0].item(), 2 * r * sig[b, j, 1].item(),
-                                     fill=False, color=colors[j % 10], lw=0.5 + 3 * pi[b, j].item()))
+                ax.add_patch(Ellipse(mu[b, j].tolist(), 2 * r * sig[b, j, 0].item(),
+                                     2 * r * sig[b, j, 1].item(), fill=False, color=colors[j % 10],
+                                     lw=0.5 + 3 * pi[b, j].item()))
         if truth is not None:
             ax.scatter(truth[1][b, :, 0], truth[1][b, :, 1], marker="x", c="k", s=30, lw=1)
         ll = mog_log_prob(X[b:b + 1], pi[b:b + 1], mu[b:b + 1], sig[b:b + 1]).mean().item()

@@ -16,12 +16,15 @@ __all__ = ['attention', 'Multihead', 'RFF', 'MAB', 'SAB', 'ISAB', 'PMA', 'SetTra
 
 # %% ../nbs/05_set_transformer.ipynb #c9d30770
 def attention(Q: Tensor, K: Tensor, V: Tensor, mask: Optional[Tensor] = None) -> Tensor:
-    "Eq. (1): softmax(QKᵀ/√d_k) V. Q [..., n, d_k], K [..., m, d_k], V [..., m, d_v], mask [..., m] (True = present) → [..., n, d_v]."
+    """Eq. (1): softmax(QKᵀ/√d_k) V. Q [..., n, d_k], K [..., m, d_k], V [..., m, d_v], mask
+    [..., m] (True = present) → [..., n, d_v]."""
     d_k = Q.shape[-1]
     scores = Q @ K.transpose(-2, -1) / math.sqrt(d_k)           # QKᵀ/√d_k: [..., n, m]
     if mask is not None:
-        scores = scores.masked_fill(~mask.unsqueeze(-2), float("-inf"))  # absent keys: weight e^{-∞} = 0
-    omega = scores.softmax(dim=-1)                               # each row a probability vector over the m keys
+        # absent keys: weight e^{-∞} = 0
+        scores = scores.masked_fill(~mask.unsqueeze(-2), float("-inf"))
+    # each row a probability vector over the m keys
+    omega = scores.softmax(dim=-1)
     return omega @ V                                             # [..., n, d_v]
 
 # %% ../nbs/05_set_transformer.ipynb #eac95111
@@ -31,50 +34,57 @@ def _some(bad: Tensor, k: int = 10) -> str:
     return str(idx) if len(idx) <= k else f"{str(idx[:k])[:-1]}, … ({len(idx)} in all)]"
 
 def _check_set(name: str, t: Tensor, dim: int, values: bool = True) -> None:
-    "Refuse anything but a batch of sets [B, n, dim] with n ≥ 1 (and, if `values`, finite), naming what is wrong."
+    """Refuse anything but a batch of sets [B, n, dim] with n ≥ 1
+    (and, if `values`, finite), naming what is wrong."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor [B, n, {dim}], got {type(t).__name__}")
     if t.dim() != 3 or t.shape[-1] != dim:
         raise ValueError(f"{name} must be a batch of sets [B, n, {dim}], got shape {list(t.shape)}")
     if t.shape[1] == 0 and t.shape[0] > 0:
-        raise ValueError(f"every set needs at least one present element; {name} has shape {list(t.shape)}, "
-                         f"so all {t.shape[0]} sets are empty")
-    if values and not torch.isfinite(t.sum()):                    # a NaN or ±inf anywhere reaches the sum: one reduction
-        bad = ~torch.isfinite(t).flatten(1).all(1)                 # [B], only then (or if the sum overflowed)
+        raise ValueError(f"every set needs at least one present element; {name} has shape "
+                         f"{list(t.shape)}, so all {t.shape[0]} sets are empty")
+    # a NaN or ±inf anywhere reaches the sum: one reduction
+    if values and not torch.isfinite(t.sum()):
+        # [B], only then (or if the sum overflowed)
+        bad = ~torch.isfinite(t).flatten(1).all(1)
         if bad.any():
-            raise ValueError(f"{name} must be finite, absent elements too (attention weighs them by 0, and 0·NaN = "
-                             f"NaN); set(s) {_some(bad)} hold NaN or inf")
+            raise ValueError(f"{name} must be finite, absent elements too (attention weighs them "
+                             f"by 0, and 0·NaN = NaN); set(s) {_some(bad)} hold NaN or inf")
 
 def _check_mask(mask: Optional[Tensor], B: int, m: int) -> Optional[Tensor]:
-    "A mask is a bool tensor [B, m], True for present elements, with at least one present element per set."
+    """A mask is a bool tensor [B, m], True for present elements, with at
+    least one present element per set."""
     if mask is None:
         return None
     if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
         raise ValueError(f"mask must be a bool tensor [B, m] = [{B}, {m}] (True = present), "
                          f"got {getattr(mask, 'dtype', type(mask).__name__)}")
     if tuple(mask.shape) != (B, m):
-        raise ValueError(f"mask must have shape [B, m] = [{B}, {m}] (True = present), got {list(mask.shape)}")
+        raise ValueError(f"mask must have shape [B, m] = [{B}, {m}] (True = present), got "
+                         f"{list(mask.shape)}")
     present = mask.any(dim=-1)                                    # [B]
     if not present.all():
-        raise ValueError(f"every set needs at least one present element; set(s) {_some(~present)} have none "
-                         f"(their mask is all False)")
+        raise ValueError(f"every set needs at least one present element; set(s) {_some(~present)} "
+                         f"have none (their mask is all False)")
     return mask
 
 # %% ../nbs/05_set_transformer.ipynb #6bb7a733
 class Multihead(nn.Module):
-    "Eqs. (2)-(3): h heads of Eq. (1) on learned projections of width dim/h, concatenated and mixed by W^O."
+    """Eqs. (2)-(3): h heads of Eq. (1) on learned projections of width dim/h,
+    concatenated and mixed by W^O."""
     def __init__(self, dim_q: int, dim_kv: int, dim: int, n_heads: int):
         super().__init__()
         if dim % n_heads != 0:
-            raise ValueError(f"dim must be a multiple of n_heads (each head gets dim/n_heads features), "
-                             f"got dim={dim}, n_heads={n_heads}")
+            raise ValueError("dim must be a multiple of n_heads (each head gets dim/n_heads "
+                             f"features), got dim={dim}, n_heads={n_heads}")
         self.dim_q, self.dim_kv, self.dim, self.h = dim_q, dim_kv, dim, n_heads
         self.W_Q = nn.Linear(dim_q, dim)    # W^Q_1..W^Q_h side by side
         self.W_K = nn.Linear(dim_kv, dim)
         self.W_V = nn.Linear(dim_kv, dim)
         self.W_O = nn.Linear(dim, dim)
         self.n_scores = 0                   # attention scores computed by the last forward
-        self.fused = True                   # False: the line-by-line Eqs. (1)-(3) below; True: the same, faster
+        # False: the line-by-line Eqs. (1)-(3) below; True: the same, faster
+        self.fused = True
 
     def heads(self, Q: Tensor, K: Tensor, V: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         "The per-head projections QW^Q_j, KW^K_j, VW^V_j, each [B, h, rows, dim/h]."
@@ -82,46 +92,57 @@ class Multihead(nn.Module):
         return split(self.W_Q(Q)), split(self.W_K(K)), split(self.W_V(V))
 
     def fused_heads(self, Q: Tensor, K: Tensor, V: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        "`heads`, with one matrix product for the projections of one input (K = V; in a SAB, Q = K = V too)."
+        """`heads`, with one matrix product for the projections of one input
+        (K = V; in a SAB, Q = K = V too)."""
         split = lambda t: t.unflatten(-1, (self.h, self.dim // self.h)).transpose(1, 2)
         lin = (self.W_Q, self.W_K, self.W_V)
         if Q is K and K is V: layers, inputs = [lin], [Q]
         elif K is V: layers, inputs = [lin[:1], lin[1:]], [Q, K]
         else: layers, inputs = [lin[:1], lin[1:2], lin[2:]], [Q, K, V]
         out = []
-        for group, x in zip(layers, inputs):                           # [W_a W_b ...] stacked: one GEMM per input
-            y = F.linear(x, torch.cat([l.weight for l in group]), torch.cat([l.bias for l in group]))
+        # [W_a W_b ...] stacked: one GEMM per input
+        for group, x in zip(layers, inputs):
+            y = F.linear(x, torch.cat([l.weight for l in group]),
+                         torch.cat([l.bias for l in group]))
             out += [split(t) for t in y.chunk(len(group), -1)]
         return tuple(out)
 
     def forward(self, Q: Tensor, K: Tensor, V: Tensor, mask: Optional[Tensor] = None) -> Tensor:
         "Q [B, n, dim_q], K and V [B, m, dim_kv], mask [B, m] → [B, n, dim]."
-        m = None if mask is None else mask[:, None, :]                # [B, 1, m]: the same keys for every head
-        if self.fused:                                                 # one GEMM per input; the fused kernel
-            Qh, Kh, Vh = self.fused_heads(Q, K, V)                    # pays off from ~2^16 scores per head
+        # [B, 1, m]: the same keys for every head
+        m = None if mask is None else mask[:, None, :]
+        # one GEMM per input; the fused kernel pays off from ~2^16 scores per head
+        if self.fused:
+            Qh, Kh, Vh = self.fused_heads(Q, K, V)
             big = Qh.shape[2] * Kh.shape[2] >= 1 << 16
-            O = (F.scaled_dot_product_attention(Qh, Kh, Vh, attn_mask=None if m is None else m[:, :, None, :])
+            O = (F.scaled_dot_product_attention(Qh, Kh, Vh,
+                                                attn_mask=None if m is None else m[:, :, None, :])
                  if big else attention(Qh, Kh, Vh, m))
         else:
             Qh, Kh, Vh = self.heads(Q, K, V)                          # [B, h, n|m, d/h]
-            O = attention(Qh, Kh, Vh, m)                               # O_j, Eq. (3): [B, h, n, d/h]
+            # O_j, Eq. (3): [B, h, n, d/h]
+            O = attention(Qh, Kh, Vh, m)
         self.n_scores = Qh.shape[0] * self.h * Qh.shape[2] * Kh.shape[2]
-        return self.W_O(O.transpose(1, 2).flatten(-2))                # concat(O_1..O_h) W^O: [B, n, dim]
+        # concat(O_1..O_h) W^O: [B, n, dim]
+        return self.W_O(O.transpose(1, 2).flatten(-2))
 
 # %% ../nbs/05_set_transformer.ipynb #5fe42783
 class RFF(nn.Sequential):
-    "Row-wise feed-forward: max(0, x W1 + b1) W2 + b2 on every element; [..., dim_in] → [..., dim_out]."
+    """Row-wise feed-forward: max(0, x W1 + b1) W2 + b2 on every element;
+    [..., dim_in] → [..., dim_out]."""
     def __init__(self, dim_in: int, dim_out: int, dim_hidden: Optional[int] = None):
         dim_hidden = dim_hidden or dim_out
         super().__init__(nn.Linear(dim_in, dim_hidden), nn.ReLU(), nn.Linear(dim_hidden, dim_out))
 
 class MAB(nn.Module):
-    "Eqs. (4)-(5): MAB(X, Y) = LN(H + rFF(H)), H = LN(X + Multihead(X, Y, Y)); X [B, n, dim_q], Y [B, m, dim_kv] → [B, n, dim]."
+    """Eqs. (4)-(5): MAB(X, Y) = LN(H + rFF(H)), H = LN(X + Multihead(X, Y, Y)); X [B, n, dim_q],
+    Y [B, m, dim_kv] → [B, n, dim]."""
     def __init__(self, dim_q: int, dim_kv: int, dim: int, n_heads: int, ln: bool = True):
         super().__init__()
         self.dim_q, self.dim_kv, self.dim = dim_q, dim_kv, dim
         self.multihead = Multihead(dim_q, dim_kv, dim, n_heads)
-        self.W_R = nn.Identity() if dim_q == dim else nn.Linear(dim_q, dim, bias=False)  # residual when widths differ
+        # residual when widths differ
+        self.W_R = nn.Identity() if dim_q == dim else nn.Linear(dim_q, dim, bias=False)
         self.ln0 = nn.LayerNorm(dim) if ln else nn.Identity()
         self.ln1 = nn.LayerNorm(dim) if ln else nn.Identity()
         self.rff = RFF(dim, dim)
@@ -132,10 +153,13 @@ class MAB(nn.Module):
         return self.multihead.n_scores
 
     def forward(self, X: Tensor, Y: Tensor, mask: Optional[Tensor] = None) -> Tensor:
-        "X [B, n, dim_q] attends to Y [B, m, dim_kv]; mask [B, m] True = present (absent keys are ignored) → [B, n, dim]."
-        _check_set("X", X, self.dim_q); _check_set("Y", Y, self.dim_kv, values=Y is not X)   # SAB: X was just checked
+        """X [B, n, dim_q] attends to Y [B, m, dim_kv]; mask [B, m] True = present
+        (absent keys are ignored) → [B, n, dim]."""
+        # SAB: X was just checked
+        _check_set("X", X, self.dim_q); _check_set("Y", Y, self.dim_kv, values=Y is not X)
         if X.shape[0] != Y.shape[0]:
-            raise ValueError(f"X and Y must hold the same number of sets, got X {list(X.shape)} and Y {list(Y.shape)}")
+            raise ValueError(f"X and Y must hold the same number of sets, got X {list(X.shape)} "
+                             f"and Y {list(Y.shape)}")
         mask = _check_mask(mask, Y.shape[0], Y.shape[1])
         H = self.ln0(self.W_R(X) + self.multihead(X, Y, Y, mask))    # Eq. (5): [B, n, dim]
         return self.ln1(H + self.rff(H))                              # Eq. (4): [B, n, dim]
@@ -148,22 +172,26 @@ class SAB(nn.Module):
         self.mab = MAB(dim_in, dim_in, dim, n_heads, ln=ln)
 
     def forward(self, X: Tensor, mask: Optional[Tensor] = None) -> Tensor:
-        "X [B, n, dim_in], mask [B, n] True = present → [B, n, dim] (rows of absent elements are 0)."
+        """X [B, n, dim_in], mask [B, n] True = present → [B, n, dim]
+        (rows of absent elements are 0)."""
         out = self.mab(X, X, mask)
         return out if mask is None else out * mask.unsqueeze(-1)
 
 # %% ../nbs/05_set_transformer.ipynb #d97c9328
 class ISAB(nn.Module):
-    "Eqs. (7)-(8): ISAB_m(X) = MAB(X, MAB(I, X)) with m learned inducing points; [B, n, dim_in] → [B, n, dim], O(nm)."
+    """Eqs. (7)-(8): ISAB_m(X) = MAB(X, MAB(I, X)) with m learned inducing points;
+    [B, n, dim_in] → [B, n, dim], O(nm)."""
     def __init__(self, dim_in: int, dim: int, n_heads: int, n_inducing: int, ln: bool = True):
         super().__init__()
-        self.I = nn.Parameter(torch.empty(1, n_inducing, dim))       # inducing points I: [1, m, dim]
+        # inducing points I: [1, m, dim]
+        self.I = nn.Parameter(torch.empty(1, n_inducing, dim))
         nn.init.xavier_uniform_(self.I)
         self.mab0 = MAB(dim, dim_in, dim, n_heads, ln=ln)              # Eq. (8): I attends to X
         self.mab1 = MAB(dim_in, dim, dim, n_heads, ln=ln)              # Eq. (7): X attends to H
 
     def forward(self, X: Tensor, mask: Optional[Tensor] = None) -> Tensor:
-        "X [B, n, dim_in], mask [B, n] True = present → [B, n, dim] (rows of absent elements are 0)."
+        """X [B, n, dim_in], mask [B, n] True = present → [B, n, dim]
+        (rows of absent elements are 0)."""
         _check_set("X", X, self.mab0.dim_kv)
         H = self.mab0(self.I.expand(X.shape[0], -1, -1), X, mask)     # Eq. (8): [B, m, dim]
         out = self.mab1(X, H)                                          # Eq. (7): [B, n, dim]
@@ -171,7 +199,8 @@ class ISAB(nn.Module):
 
 # %% ../nbs/05_set_transformer.ipynb #e8f6ca62
 class PMA(nn.Module):
-    "Eq. (11): PMA_k(Z) = MAB(S, rFF(Z)) with k learned seeds; Z [B, n, dim] → [B, k, dim], permutation-invariant."
+    """Eq. (11): PMA_k(Z) = MAB(S, rFF(Z)) with k learned seeds; Z [B, n, dim] →
+    [B, k, dim], permutation-invariant."""
     def __init__(self, dim: int, n_heads: int, n_seeds: int, ln: bool = True):
         super().__init__()
         self.S = nn.Parameter(torch.empty(1, n_seeds, dim))            # seed vectors S: [1, k, dim]
@@ -186,7 +215,8 @@ class PMA(nn.Module):
 
 # %% ../nbs/05_set_transformer.ipynb #a66ec898
 class SetTransformer(nn.Module):
-    "Eqs. (9)-(13): Encoder of SABs (or ISAB_m), Decoder rFF(SAB(PMA_k(Z))); X [B, n, dim_in] → [B, n_outputs, dim_out]."
+    """Eqs. (9)-(13): Encoder of SABs (or ISAB_m), Decoder rFF(SAB(PMA_k(Z))); X
+    [B, n, dim_in] → [B, n_outputs, dim_out]."""
     def __init__(self, dim_in: int, dim_out: int, n_outputs: int, dim: int = 128, n_heads: int = 4,
                  n_layers: int = 2, n_inducing: Optional[int] = None, ln: bool = True):
         super().__init__()
@@ -197,7 +227,8 @@ class SetTransformer(nn.Module):
         self.dim_in = dim_in
         block = (lambda d_in: SAB(d_in, dim, n_heads, ln)) if n_inducing is None else \
                 (lambda d_in: ISAB(d_in, dim, n_heads, n_inducing, ln))
-        self.encoder = nn.ModuleList([block(dim_in if i == 0 else dim) for i in range(n_layers)])  # Eq. (9)/(10)
+        # Eq. (9)/(10)
+        self.encoder = nn.ModuleList([block(dim_in if i == 0 else dim) for i in range(n_layers)])
         self.pma = PMA(dim, n_heads, n_outputs, ln)
         self.sab = SAB(dim, dim, n_heads, ln)
         self.out = nn.Linear(dim, dim_out)

@@ -26,7 +26,8 @@ __all__ = ['UserError', 'CheckpointError', 'MissingCheckpoint', 'save_checkpoint
 
 # %% ../nbs/92_train.ipynb #7c69be35
 class UserError(Exception):
-    "A mistake the user can fix (a bad setting, an occupied folder, a foreign checkpoint): one line, exit status 2."
+    """A mistake the user can fix (a bad setting, an occupied folder, a foreign
+    checkpoint): one line, exit status 2."""
 
 class CheckpointError(UserError):
     "A checkpoint that is missing, unreadable, or belongs to another model or configuration."
@@ -44,15 +45,18 @@ def save_checkpoint(state: dict, path: Union[str, os.PathLike]) -> Path:
     os.replace(tmp, path)
     return path
 
-def load_checkpoint(path: Union[str, os.PathLike], map_location: Union[str, torch.device] = "cpu") -> dict:
-    "Read a checkpoint written by `save_checkpoint`; a missing or unreadable file raises a `CheckpointError` naming it."
+def load_checkpoint(path: Union[str, os.PathLike],
+                    map_location: Union[str, torch.device] = "cpu") -> dict:
+    """Read a checkpoint written by `save_checkpoint`; a missing or unreadable file raises
+    a `CheckpointError` naming it."""
     path = Path(path)
     if not path.is_file(): raise MissingCheckpoint(f"no checkpoint at {path}")
     try:                               # it holds numpy's RNG state, hence weights_only=False
         ck = torch.load(path, map_location=map_location, weights_only=False)
     except Exception as e:
-        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:120] if str(e) else 'truncated or corrupt'})") from None
+        raise CheckpointError(
+            f"{path} is not a readable checkpoint ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:120] if str(e) else 'truncated or corrupt'})") from None
     if not isinstance(ck, dict) or "model" not in ck:
         raise CheckpointError(f"{path} is not a capsule_book checkpoint (no model state in it)")
     return ck
@@ -60,13 +64,15 @@ def load_checkpoint(path: Union[str, os.PathLike], map_location: Union[str, torc
 # %% ../nbs/92_train.ipynb #e600b9e1
 def rng_state() -> dict:
     "The states of python's, numpy's and torch's global generators (cuda too when present)."
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available(): state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 def set_rng_state(state: dict) -> None:
     "Restore the generators saved by `rng_state`."
-    random.setstate(state["python"]); np.random.set_state(state["numpy"]); torch.set_rng_state(state["torch"])
+    random.setstate(state["python"]); np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available(): torch.cuda.set_rng_state_all(state["cuda"])
 
 # %% ../nbs/92_train.ipynb #c617f6d9
@@ -77,7 +83,8 @@ class Stream(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 class EpochStream:
-    "The batches of `batches` (with `set_epoch(e)`, `iter_from(i)` and `len`), epoch after epoch; position = (epoch, batch)."
+    """The batches of `batches` (with `set_epoch(e)`, `iter_from(i)` and `len`), epoch after
+    epoch; position = (epoch, batch)."""
     def __init__(self, batches):
         self.batches, self.epoch, self.batch, self._it = batches, 0, 0, None
 
@@ -89,7 +96,8 @@ class EpochStream:
             self._it = iter(self.batches.iter_from(self.batch))
         try:
             item = next(self._it)
-        except StopIteration:                                    # the epoch is done: the next one begins
+        except StopIteration:
+            # the epoch is done: the next one begins
             self.epoch, self.batch, self._it = self.epoch + 1, 0, None
             return next(self)
         self.batch += 1
@@ -103,7 +111,8 @@ class EpochStream:
         self.epoch, self.batch, self._it = state["epoch"], state["batch"], None
 
 class SyntheticStream:
-    "Fresh batches from `make(generator) -> list of batches` (a chunk); position = generator state before the chunk + index."
+    """Fresh batches from `make(generator) -> list of batches` (a chunk); position = generator
+    state before the chunk + index."""
     def __init__(self, make: Callable[[torch.Generator], Sequence], seed: int = 0):
         self.make, self.g = make, torch.Generator().manual_seed(seed)
         self.chunk, self.index, self.chunk_state = None, 0, self.g.get_state()
@@ -116,18 +125,22 @@ class SyntheticStream:
         return self.chunk[self.index - 1]
 
     def state_dict(self) -> dict:
-        return {"generator": self.chunk_state.clone(), "index": None if self.chunk is None else self.index}
+        return {"generator": self.chunk_state.clone(),
+                "index": None if self.chunk is None else self.index}
 
     def load_state_dict(self, state: dict) -> None:
         self.chunk_state = state["generator"].clone()
         self.g.set_state(self.chunk_state)
         if state["index"] is None: self.chunk, self.index = None, 0
-        else: self.chunk, self.index = self.make(self.g), state["index"]    # the same chunk, made again
+        else:
+            # the same chunk, made again
+            self.chunk, self.index = self.make(self.g), state["index"]
 
 # %% ../nbs/92_train.ipynb #7fa52185
 @dataclass
 class Task:
-    "What the engine trains: a named model with its settings, optimiser, η(step), data stream, loss and evaluation."
+    """What the engine trains: a named model with its settings, optimiser, η(step),
+    data stream, loss and evaluation."""
     name: str
     config: dict
     model: nn.Module
@@ -140,7 +153,8 @@ class Task:
     ddp: bool = False                   # may run under torchrun with DistributedDataParallel
 
 class RunResult(NamedTuple):
-    "The trained model, every metrics row of the run (all sessions), the step reached, and whether it reached the end."
+    """The trained model, every metrics row of the run (all sessions), the step reached,
+    and whether it reached the end."""
     model: nn.Module
     history: list[dict]
     step: int
@@ -148,7 +162,8 @@ class RunResult(NamedTuple):
 
 # %% ../nbs/92_train.ipynb #608fef47
 def init_distributed(device: Optional[str] = None) -> tuple[int, int, torch.device, bool]:
-    "Join the process group torchrun describes (WORLD_SIZE > 1): rank, world size, this process's device, created?"
+    """Join the process group torchrun describes (WORLD_SIZE > 1): rank, world size,
+    this process's device, created?"""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dev = pick_device(device)
     if world == 1: return 0, 1, dev, False
@@ -157,7 +172,9 @@ def init_distributed(device: Optional[str] = None) -> tuple[int, int, torch.devi
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
     created = not dist.is_initialized()
-    if created: dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=world)
+    if created:
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank,
+                                world_size=world)
     return rank, world, dev, created
 
 def all_sum(t: Tensor, world: int) -> Tensor:
@@ -171,7 +188,8 @@ def _describe(config: dict) -> str:
 
 def open_run(task: Task, out: Optional[Union[str, os.PathLike]], resume: bool,
              device: Union[str, torch.device] = "cpu") -> tuple[Optional[dict], list[dict]]:
-    "The checkpoint to resume (or None) and the metrics rows up to it; refuses an occupied folder or a foreign checkpoint."
+    """The checkpoint to resume (or None) and the metrics rows up to it; refuses an occupied
+    folder or a foreign checkpoint."""
     if out is None:
         if resume: raise UserError("resume needs the run's folder (out)")
         return None, []
@@ -179,35 +197,40 @@ def open_run(task: Task, out: Optional[Union[str, os.PathLike]], resume: bool,
     if not resume:
         if ckpt.exists():
             step = load_checkpoint(ckpt).get("step", "?")
-            raise UserError(f"{out} already holds a run at step {step}; pass --resume to continue it "
-                            "or choose another --out")
+            raise UserError(f"{out} already holds a run at step {step}; pass --resume to continue "
+                            "it or choose another --out")
         if (run / "metrics.jsonl").exists():
-            raise UserError(f"{out} holds metrics.jsonl but no checkpoint (a run stopped before its first one): "
-                            "delete the folder or choose another --out")
+            raise UserError(f"{out} holds metrics.jsonl but no checkpoint (a run stopped before "
+                            "its first one): delete the folder or choose another --out")
         return None, []
     if not ckpt.exists(): raise MissingCheckpoint(f"nothing to resume: no checkpoint at {ckpt}")
     ck = load_checkpoint(ckpt, map_location=device)
     if ck.get("task") != task.name:
-        raise CheckpointError(f"{ckpt} holds a {ck.get('task', 'unknown')} run, not a {task.name} run")
+        raise CheckpointError(f"{ckpt} holds a {ck.get('task', 'unknown')} run, "
+                              f"not a {task.name} run")
     saved = ck.get("config", {})
     differ = {k for k in set(saved) | set(task.config) if saved.get(k) != task.config.get(k)}
     if differ:
         keys = sorted(differ)
-        raise CheckpointError(f"{ckpt} was trained with {_describe({k: saved.get(k) for k in keys})}; this run has "
+        raise CheckpointError(f"{ckpt} was trained with "
+                              f"{_describe({k: saved.get(k) for k in keys})}; this run has "
                               f"{_describe({k: task.config.get(k) for k in keys})}")
     rows = []
     if (run / "metrics.jsonl").exists():
-        rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if l.strip()]
+        rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()
+                if l.strip()]
         rows = [r for r in rows if r["step"] <= ck["step"]]
     return ck, rows
 
 # %% ../nbs/92_train.ipynb #64c86e54
 def _bar(total: int, initial: int, show: bool, desc: str):
     import warnings
-    with warnings.catch_warnings():    # tqdm.auto warns in Jupyter without ipywidgets, then falls back to text
+    # tqdm.auto warns in Jupyter without ipywidgets, then falls back to text
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from tqdm.auto import tqdm
-    return tqdm(total=total, initial=initial, disable=not show, desc=desc, dynamic_ncols=True, mininterval=2.0)
+    return tqdm(total=total, initial=initial, disable=not show, desc=desc, dynamic_ncols=True,
+                mininterval=2.0)
 
 def _postfix(running: dict, n: int, last_eval: dict) -> dict:
     shown = {k: f"{v / n:.4g}" for k, v in list(running.items())[:2]} if n else {}
@@ -216,26 +239,30 @@ def _postfix(running: dict, n: int, last_eval: dict) -> dict:
 
 # %% ../nbs/92_train.ipynb #2cb01f5f
 def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, resume: bool = False,
-        max_minutes: Optional[float] = None, checkpoint_every: int = 1000, checkpoint_minutes: float = 10.0,
-        log_every: int = 100, eval_every: int = 0, progress: bool = True, stop_at: Optional[int] = None,
-        rank: int = 0, world: int = 1) -> RunResult:
-    "Train `task` to `steps` optimiser steps in all, in `out` (checkpoints, metrics.jsonl), resuming it if `resume`; `stop_at` stops early as `max_minutes` does."
+        max_minutes: Optional[float] = None, checkpoint_every: int = 1000,
+        checkpoint_minutes: float = 10.0, log_every: int = 100, eval_every: int = 0,
+        progress: bool = True, stop_at: Optional[int] = None, rank: int = 0,
+        world: int = 1) -> RunResult:
+    """Train `task` to `steps` optimiser steps in all, in `out` (checkpoints, metrics.jsonl),
+    resuming it if `resume`; `stop_at` stops early as `max_minutes` does."""
     if steps < 0 or log_every < 1 or checkpoint_every < 1 or eval_every < 0:
-        raise UserError(f"steps must be >= 0 and log_every, checkpoint_every >= 1, eval_every >= 0; got {steps}, "
-                        f"{log_every}, {checkpoint_every}, {eval_every}")
+        raise UserError("steps must be >= 0 and log_every, checkpoint_every >= 1, eval_every >= "
+                        f"0; got {steps}, {log_every}, {checkpoint_every}, {eval_every}")
     if max_minutes is not None and not max_minutes > 0:
         raise UserError(f"max_minutes must be positive, got {max_minutes}")
     if world > 1 and not task.ddp: raise UserError(f"{task.name} does not train under torchrun")
     device = next(task.model.parameters()).device
     model, opt = task.model, task.optimizer
     ck, history = open_run(task, out, resume, device) if rank == 0 or out is None else (None, [])
-    if world > 1 and out is not None:                       # every rank resumes from rank 0's checkpoint
+    # every rank resumes from rank 0's checkpoint
+    if world > 1 and out is not None:
         box = [ck, history]; dist.broadcast_object_list(box, src=0); ck, history = box
     step, elapsed, running, n_running = 0, 0.0, {}, 0
     if ck is not None:
         model.load_state_dict(ck["model"]); opt.load_state_dict(ck["optimizer"])
         task.stream.load_state_dict(ck["stream"]); set_rng_state(ck["rng"])
-        step, elapsed, running, n_running = ck["step"], ck["elapsed"], ck["running"], ck["n_running"]
+        step, elapsed, running, n_running = (ck["step"], ck["elapsed"], ck["running"],
+                                             ck["n_running"])
     run = Path(out) if out is not None and rank == 0 else None
     net = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     last_eval = next((r for r in reversed(history) if any(k.startswith("eval_") for k in r)), {})
@@ -243,9 +270,10 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
 
     def checkpoint():
         if run is None: return
-        save_checkpoint({"task": task.name, "config": task.config, "step": step, "model": model.state_dict(),
-                         "optimizer": opt.state_dict(), "stream": task.stream.state_dict(), "rng": rng_state(),
-                         "elapsed": elapsed, "running": running, "n_running": n_running}, run / "last.pt")
+        save_checkpoint({"task": task.name, "config": task.config, "step": step,
+                         "model": model.state_dict(), "optimizer": opt.state_dict(),
+                         "stream": task.stream.state_dict(), "rng": rng_state(), "elapsed": elapsed,
+                         "running": running, "n_running": n_running}, run / "last.pt")
 
     def log(row: dict):
         history.append(row)
@@ -253,7 +281,8 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
             run.mkdir(parents=True, exist_ok=True)
             with open(run / "metrics.jsonl", "a") as f: f.write(json.dumps(row) + "\n")
 
-    if run is not None:                                     # the metrics file, cut back to the checkpoint's step
+    # the metrics file, cut back to the checkpoint's step
+    if run is not None:
         run.mkdir(parents=True, exist_ok=True)
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
     t_start = t_ckpt = time.time()
@@ -261,7 +290,8 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
     stopped = False
     bar = _bar(steps, step, progress and rank == 0, task.name)
     model.train()
-    eval_due = lambda s: task.evaluate is not None and ((eval_every and s % eval_every == 0) or s == steps)
+    eval_due = lambda s: task.evaluate is not None and ((eval_every and s % eval_every == 0)
+                                                        or s == steps)
     while step < steps:
         if stop_at is not None and step >= stop_at:
             stopped = True
@@ -273,7 +303,8 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
                 stopped = True
                 break
         t0 = time.time()
-        for group in opt.param_groups: group["lr"] = task.lr(step)            # η(s), a pure function of s
+        # η(s), a pure function of s
+        for group in opt.param_groups: group["lr"] = task.lr(step)
         loss, numbers = task.loss(net, next(task.stream))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -286,8 +317,9 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
         elapsed += cost["step"]
         bar.update(1)
         if step % log_every == 0 or step == steps or eval_due(step):
-            row = {"step": step, **getattr(task.stream, "progress", dict)(), "lr": task.lr(step - 1),
-                   **{k: v / n_running for k, v in running.items()}, "elapsed_s": round(elapsed, 2)}
+            row = {"step": step, **getattr(task.stream, "progress", dict)(),
+                   "lr": task.lr(step - 1), **{k: v / n_running for k, v in running.items()},
+                   "elapsed_s": round(elapsed, 2)}
             if eval_due(step):
                 t0 = time.time()
                 last_eval = {f"eval_{k}": v for k, v in task.evaluate(model).items()}
@@ -297,10 +329,13 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
             if rank == 0: log(row)
             bar.set_postfix(_postfix(running, n_running, last_eval), refresh=False)
             running, n_running = {}, 0
-        if step % checkpoint_every == 0 or time.time() - t_ckpt > 60 * checkpoint_minutes or step == steps:
-            t0 = time.time(); checkpoint(); cost["checkpoint"] = time.time() - t0; t_ckpt = time.time()
+        if (step % checkpoint_every == 0 or time.time() - t_ckpt > 60 * checkpoint_minutes
+            or step == steps):
+            t0 = time.time(); checkpoint(); cost["checkpoint"] = time.time() - t0
+            t_ckpt = time.time()
     bar.close()
     if stopped or (ck is not None and step == ck["step"]): checkpoint()
     if stopped and rank == 0:
-        print(f"stopped at step {step} of {steps}; continue with `{task.resume_command}`", flush=True)
+        print(f"stopped at step {step} of {steps}; continue with `{task.resume_command}`",
+              flush=True)
     return RunResult(model, history, step, step >= steps)

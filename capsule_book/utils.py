@@ -29,12 +29,14 @@ def pick_device(device: Optional[Union[str, torch.device]] = None) -> torch.devi
         return torch.device(available_devices()[0])
     dev = torch.device(device)
     if dev.type not in available_devices():
-        raise ValueError(f"device {str(device)!r} is not available here; available: {', '.join(available_devices())}")
+        raise ValueError(f"device {str(device)!r} is not available here; available: "
+                         f"{', '.join(available_devices())}")
     return dev
 
 # %% ../nbs/90_utils.ipynb #7322ce14
 def seed_everything(seed: int = 0) -> torch.Generator:
-    "Seed python, numpy and torch (every device); return a CPU `torch.Generator` seeded with `seed`."
+    """Seed python, numpy and torch (every device); return a CPU
+    `torch.Generator` seeded with `seed`."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -43,5 +45,6 @@ def seed_everything(seed: int = 0) -> torch.Generator:
 
 # %% ../nbs/90_utils.ipynb #bff2b9b2
 def round_off(result: torch.Tensor, n: int, c: float = 4.0) -> float:
-    "c·ε·√n·max|result|: the float32 round-off of a result of that size after sums of n terms in all."
+    """c·ε·√n·max|result|: the float32 round-off of a result of that
+    size after sums of n terms in all."""
     return c * torch.finfo(torch.float32).eps * math.sqrt(n) * result.detach().abs().max().item()

@@ -46,16 +46,19 @@ def _download(url: str, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
     try:
-        with urllib.request.urlopen(url, timeout=60) as r, open(tmp, "wb") as f: shutil.copyfileobj(r, f)
+        with urllib.request.urlopen(url, timeout=60) as r, open(tmp, "wb") as f:
+            shutil.copyfileobj(r, f)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise UserError(f"could not download {url} ({e}); clone {REPOSITORY} and use its weights/ folder") from None
+        raise UserError(f"could not download {url} ({e}); clone {REPOSITORY} and use its weights/ "
+                        "folder") from None
     os.replace(tmp, path)
     return path
 
 # %% ../nbs/95_weights.ipynb #3f653dd1
 def manifest(folder: Optional[Union[str, os.PathLike]] = None, download: bool = True) -> dict:
-    "The manifest of shipped models: `folder`/manifest.json, else the checkout's, else the one at this version's tag."
+    """The manifest of shipped models: `folder`/manifest.json, else the checkout's, else
+    the one at this version's tag."""
     folder = Path(folder) if folder is not None else checkout_weights()
     if folder is not None: return json.loads((folder / "manifest.json").read_text())
     path = cache_weights() / "manifest.json"
@@ -64,26 +67,32 @@ def manifest(folder: Optional[Union[str, os.PathLike]] = None, download: bool = 
         _download(f"{RAW}/v{__version__}/weights/manifest.json", path)
     return json.loads(path.read_text())
 
-def entry(name: str, folder: Optional[Union[str, os.PathLike]] = None, download: bool = True) -> dict:
+def entry(name: str, folder: Optional[Union[str, os.PathLike]] = None,
+          download: bool = True) -> dict:
     "The manifest entry of shipped model `name`; an unknown name is refused with the known ones."
     models = manifest(folder, download)["models"]
     if name not in models:
-        raise UserError(f"no shipped model {name!r}; shipped: {', '.join(sorted(models)) or 'none'}")
+        raise UserError(f"no shipped model {name!r}; shipped: "
+                        f"{', '.join(sorted(models)) or 'none'}")
     return models[name]
 
-def fetch(name: str, folder: Optional[Union[str, os.PathLike]] = None, download: bool = True) -> Path:
-    "The local file of shipped model `name` with its sha256 checked: from the checkout, else from the cache or a download."
+def fetch(name: str, folder: Optional[Union[str, os.PathLike]] = None,
+          download: bool = True) -> Path:
+    """The local file of shipped model `name` with its sha256 checked: from the checkout,
+    else from the cache or a download."""
     e = entry(name, folder, download)
     here = Path(folder) if folder is not None else checkout_weights()
     path = here / e["file"] if here is not None else cache_weights() / e["file"]
     if not path.exists():
         if here is not None or not download:
-            raise UserError(f"{path} is missing (the manifest lists it); restore it with git or retrain with: {e['command']}")
+            raise UserError(f"{path} is missing (the manifest lists it); restore it with git or "
+                            f"retrain with: {e['command']}")
         _download(f"{RAW}/v{__version__}/weights/{e['file']}", path)
     got = sha256(path)
     if got != e["sha256"]:
-        raise CheckpointError(f"{path} has sha256 {got[:12]}…, the manifest says {e['sha256'][:12]}…: "
-                              "the file is not the shipped model (delete it to download it again)")
+        raise CheckpointError(f"{path} has sha256 {got[:12]}…, the manifest says "
+                              f"{e['sha256'][:12]}…: the file is not the shipped model (delete it "
+                              "to download it again)")
     return path
 
 # %% ../nbs/95_weights.ipynb #f4b2977d
@@ -101,9 +110,10 @@ def _ccae(config: dict) -> nn.Module:
 
 BUILDERS: dict[str, Callable[[dict], nn.Module]] = {"capsnet": _capsnet, "mog": _mog, "ccae": _ccae}
 
-def load(name: str, device: Union[str, torch.device] = "cpu", folder: Optional[Union[str, os.PathLike]] = None,
-         download: bool = True) -> nn.Module:
-    "Shipped model `name` in eval mode, float32, on `device` (its file checked against the manifest's sha256)."
+def load(name: str, device: Union[str, torch.device] = "cpu",
+         folder: Optional[Union[str, os.PathLike]] = None, download: bool = True) -> nn.Module:
+    """Shipped model `name` in eval mode, float32, on `device`
+    (its file checked against the manifest's sha256)."""
     e = entry(name, folder, download)
     state = torch.load(fetch(name, folder, download), map_location="cpu", weights_only=True)
     model = BUILDERS[e["model"]](e["config"])
@@ -111,19 +121,22 @@ def load(name: str, device: Union[str, torch.device] = "cpu", folder: Optional[U
     return model.to(device).eval()
 
 # %% ../nbs/95_weights.ipynb #6ed0d0b6
-def ship(checkpoint: Union[str, os.PathLike], name: str, command: str, metric: dict, dtype: str = "float32",
-         folder: Union[str, os.PathLike] = "weights", metrics: Optional[str] = None, notes: str = "") -> dict:
-    "Write the weights of a finished run's checkpoint to `folder`/`name`.pt and its entry to `folder`/manifest.json."
-    if dtype not in ("float16", "float32"): raise ValueError(f"dtype must be float16 or float32, got {dtype!r}")
+def ship(checkpoint: Union[str, os.PathLike], name: str, command: str, metric: dict,
+         dtype: str = "float32", folder: Union[str, os.PathLike] = "weights",
+         metrics: Optional[str] = None, notes: str = "") -> dict:
+    """Write the weights of a finished run's checkpoint to `folder`/`name`.pt and its
+    entry to `folder`/manifest.json."""
+    if dtype not in ("float16", "float32"):
+        raise ValueError(f"dtype must be float16 or float32, got {dtype!r}")
     ck = load_checkpoint(checkpoint)
     cast = torch.float16 if dtype == "float16" else torch.float32
     state = {k: v.to(cast) if v.is_floating_point() else v for k, v in ck["model"].items()}
     folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.pt"
     torch.save(state, path)
-    e = {"model": ck["task"], "file": path.name, "sha256": sha256(path), "bytes": path.stat().st_size,
-         "dtype": dtype, "command": command, "steps": ck["step"], "config": ck["config"], "metric": metric,
-         "train_seconds": round(ck["elapsed"], 1)}
+    e = {"model": ck["task"], "file": path.name, "sha256": sha256(path),
+         "bytes": path.stat().st_size, "dtype": dtype, "command": command, "steps": ck["step"],
+         "config": ck["config"], "metric": metric, "train_seconds": round(ck["elapsed"], 1)}
     if metrics: e["metrics"] = metrics
     if notes: e["notes"] = notes
     mpath = folder / "manifest.json"

@@ -294,3 +294,21 @@ def test_no_chapter_shows_tooling(browser, server):
         if m["errors"]:
             problems.append(f"{page}: script errors {m['errors']}")
     assert not problems, "\n".join(problems)
+
+
+# Phrases a book does not print: development history, and "the seed" for a source (name it instead).
+_LOG_PHRASES = re.compile(r"\bthe seed'?s?\b(?! vectors)(?=[^.]{0,40}\b(article|code|softmax|router|version|loss|model|implementation)\b)"
+                          r"|\bseed article\b|\bthe seeds'|load average|tried on the way|an earlier run|this restart"
+                          r"|\bpredates\b|\bpatched\b|previous version of this|earlier execution|this session", re.I)
+
+
+def test_no_chapter_narrates_its_history_or_leaves_a_source_unnamed(site):
+    "The rendered text of every page (code and prose): no development log, no source called 'the seed'."
+    html, _ = site
+    found = []
+    for page in _chapters():
+        path = html / (page + ".html")
+        text = re.sub(r"<[^>]+>", " ", path.read_text(encoding="utf-8"))
+        text = re.sub(r"\s+", " ", text)
+        found += [f"{page}: …{text[max(m.start() - 60, 0):m.end() + 60]}…" for m in _LOG_PHRASES.finditer(text)]
+    assert not found, "\n".join(found[:20])

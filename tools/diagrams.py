@@ -1,11 +1,13 @@
 #!/usr/bin/env python
-"""Draw the book's four diagrams as SVG into nbs/images/.
+"""Draw the book's seven diagrams as SVG into nbs/images/.
 
-    python tools/diagrams.py            # writes nbs/images/{capsnet,routing,set_transformer,ccae}.svg
+    python tools/diagrams.py            # writes nbs/images/{capsnet,routing,set_transformer,ccae,
+                                        #   squash,constellations,gmm}.svg
     python tools/diagrams.py --png /tmp # also writes PNG previews there
+    python tools/diagrams.py --only gmm # only the figures named
 
 Pure matplotlib (no external assets), deterministic: the same bytes on every run.
-Colours are shared by all four figures: grey = data, blue = convolutions, orange = capsules,
+Colours are shared by all the figures: grey = data, blue = convolutions, orange = capsules,
 green = routing, purple = attention, yellow = mixture, pink = decoder, red = losses.
 """
 from __future__ import annotations
@@ -576,6 +578,246 @@ def ccae() -> Canvas:
     return c
 
 
+# ----------------------------------------------------------------------------------------------- 5. squash
+def _squash_norm(n):
+    "‖v‖ as a function of ‖s‖ (Eq. 1 of Sabour et al. 2017)."
+    n = np.asarray(n, float)
+    return n * n / (1 + n * n)
+
+
+def squash() -> Canvas:
+    "Eq. 1 of Sabour et al. (2017): a few vectors s_j before and after squashing, and ‖v‖ against ‖s‖."
+    W, H = 8.5, 3.75
+    c = Canvas(W, H)
+    grey, orange = PALETTE["data"][1], PALETTE["caps"][1]
+    norms = [0.4, 0.8, 1.5, 2.5, 4.5]
+    angles = np.deg2rad([100, 160, 235, 318, 30])
+    # --- left: the inputs s_j, 0.36 in per unit
+    o1, k1 = np.array([1.25, 1.62]), 0.41
+    c.text(1.45, 3.48, "inputs $s_j$", size=9.5, weight="bold")
+    c.text(1.45, 3.22, r"labels: $\|s_j\|$", size=7.5, color="#666666")
+    c.ax.add_patch(Circle(o1, k1, fc="none", ec="#9a9a9a", lw=0.8, ls=(0, (3, 2)), zorder=1))
+    c.text(o1[0] + 0.02, o1[1] - k1 - 0.11, r"$\|s\| = 1$", size=7, color="#8a8a8a")
+    # --- right: the outputs v_j in the unit disc, 1.25 in per unit
+    o2, k2 = np.array([6.95, 1.62]), 1.25
+    c.text(6.95, 3.48, r"outputs $v_j = \mathrm{squash}(s_j)$", size=9.5, weight="bold")
+    c.text(6.95, 3.22, r"labels: $\|v_j\|$", size=7.5, color="#666666")
+    c.ax.add_patch(Circle(o2, k2, fc="#fdf6ec", ec=orange, lw=1.0, ls=(0, (4, 2.5)), zorder=1))
+    c.text(o2[0], o2[1] - 1.07, r"unit circle, $\|v\| = 1$", size=7, color=orange)
+    for n, th in zip(norms, angles):
+        u = np.array([np.cos(th), np.sin(th)])
+        for o, k, length, col, txt in ((o1, k1, n, grey, f"{n:g}"),
+                                       (o2, k2, float(_squash_norm(n)), orange, f"{float(_squash_norm(n)):.2f}")):
+            tip = o + u * length * k
+            c.arrow(tuple(o), tuple(tip), color=col, lw=1.5, ms=7, zorder=2)
+            lab = tip + u * 0.15
+            if length * k > 0.9 and o is o2:                  # near the unit circle: beside the arrow
+                lab = o + u * length * k * 0.72 + np.array([-u[1], u[0]]) * 0.13
+            c.text(lab[0], lab[1], txt, size=7.5, color=col, zorder=3)
+    for o in (o1, o2):
+        c.ax.plot(*o, marker="o", ms=3, color=INK, zorder=4)
+    # --- middle: ‖v‖ against ‖s‖
+    x0, y0, sx, sy, smax = 3.55, 1.28, 0.3, 1.35, 5.0        # origin, inches per unit of ‖s‖ and of ‖v‖
+    c.text(x0 + smax * sx / 2, 3.48, "Eq. 1", size=9.5, weight="bold")
+    c.text(x0 + smax * sx / 2, 3.13,
+           r"$v_j = \dfrac{\|s_j\|^2}{1 + \|s_j\|^2}\;\dfrac{s_j}{\|s_j\|}$", size=9.5)
+    c.arrow((x0, y0), (x0 + smax * sx + 0.12, y0), color=INK, lw=0.8, ms=6)
+    c.arrow((x0, y0), (x0, y0 + 1.0 * sy + 0.2), color=INK, lw=0.8, ms=6)
+    for t in range(0, 6):
+        c.ax.plot([x0 + t * sx] * 2, [y0, y0 - 0.04], color=INK, lw=0.8)
+        c.text(x0 + t * sx, y0 - 0.13, str(t), size=7, color=INK)
+    for t, lab in ((0.5, "0.5"), (1.0, "1")):
+        c.ax.plot([x0, x0 - 0.04], [y0 + t * sy] * 2, color=INK, lw=0.8)
+        c.text(x0 - 0.07, y0 + t * sy, lab, size=7, ha="right")
+    c.text(x0 + smax * sx + 0.05, y0 - 0.27, r"$\|s\|$", size=8, ha="right")
+    c.text(x0 - 0.12, y0 + 1.0 * sy + 0.2, r"$\|v\|$", size=8, ha="right")
+    c.ax.plot([x0, x0 + smax * sx], [y0 + sy] * 2, color="#9a9a9a", lw=0.8, ls=(0, (3, 2)))
+    s = np.linspace(0, smax, 101)
+    c.ax.plot(x0 + s * sx, y0 + _squash_norm(s) * sy, color=orange, lw=1.6, zorder=2)
+    s0 = np.linspace(0, 0.85, 35)
+    c.ax.plot(x0 + s0 * sx, y0 + s0 ** 2 * sy, color=INK, lw=0.9, ls=(0, (1.2, 1.5)), zorder=2)
+    c.ax.plot(x0 + np.array(norms) * sx, y0 + _squash_norm(norms) * sy, ls="none", marker="o", ms=3.5,
+              color=orange, zorder=3)
+    c.text(x0 + 0.42, y0 + 0.62, r"$\approx \|s\|^2$ near 0", size=7, color=INK, ha="left")
+    c.text(x0 + smax * sx, y0 + sy + 0.12, "→ 1, never reached", size=7, color="#666666", ha="right")
+    c.arrow((x0 - 0.45, 0.62), (x0 + smax * sx + 0.55, 0.62), color=orange, lw=1.4, ms=9)
+    c.text(x0 + smax * sx / 2, 0.76, "squash, each vector on its own", size=8, color=orange)
+    c.text(W / 2, 0.18, "direction kept, length squashed into [0, 1): the probability that the entity exists",
+           size=9, weight="bold", color=INK)
+    return c
+
+
+# ----------------------------------------------------------------------------------------------- 6. constellations
+# The templates of capsule_book.constellations.PATTERNS (the official constellation.py), in the paper's
+# configuration ("square", "triangle", "square"); object k is the k-th of them.
+CONSTELLATION_TEMPLATES = (
+    ("square", np.array([[3.0, 3.0], [1.0, 1.0], [3.0, 1.0], [1.0, 3.0]])),
+    ("triangle", np.array([[1.0, 2.0], [3.0, 1.0], [3.0, 3.0]])),
+    ("square", np.array([[3.0, 3.0], [1.0, 1.0], [3.0, 1.0], [1.0, 3.0]])),
+)
+
+
+def _outline(p: np.ndarray) -> np.ndarray:
+    "The corners in order around their centre, closed: the shape's outline."
+    d = p - p.mean(0)
+    q = p[np.argsort(np.arctan2(d[:, 1], d[:, 0]))]
+    return np.vstack([q, q[:1]])
+
+
+def constellations() -> Canvas:
+    "The constellation data of Kosiorek et al. (2019), Sec. 2.1, made as in capsule_book.constellations."
+    W, H = 8.5, 4.0
+    c = Canvas(W, H)
+    grey = "#666666"
+    # one example: θ, s, t of each object (Eq. 6.1, x = s R(θ) p + t/s) and whether it is kept
+    poses = [(np.deg2rad(25), 2.2, np.array([4.0, 16.0]), True),
+             (np.deg2rad(-40), 2.6, np.array([10.0, 13.0]), True),
+             (np.deg2rad(60), 1.6, np.array([22.0, 15.0]), False)]
+    placed = []
+    for (_, p), (th, s, t, _) in zip(CONSTELLATION_TEMPLATES, poses):
+        R = np.array([[np.cos(th), -np.sin(th)], [np.sin(th), np.cos(th)]])
+        placed.append(s * p @ R.T + t / s)
+    allp = np.vstack(placed)                                   # normalised over the example, absent points too
+    lo, hi = allp.min(), allp.max()
+    placed = [(x - lo) / (hi - lo) * 2 - 1 for x in placed]
+    # --- templates, each in its own frame with the grid 0…4
+    fs, fx = 0.8, 0.3
+    c.text(fx + 0.7, 3.72, "templates", size=9.5, weight="bold")
+    for k, (name, p) in enumerate(CONSTELLATION_TEMPLATES):
+        fy = 2.6 - 1.05 * k
+        col = J_COLOURS[k]
+        c.ax.add_patch(FancyBboxPatch((fx, fy), fs, fs, boxstyle="square,pad=0", fc="white", ec="#bbbbbb",
+                                      lw=0.7, zorder=0))
+        g = fs / 4
+        for i in range(1, 4):
+            c.ax.plot([fx + i * g] * 2, [fy, fy + fs], color="#eeeeee", lw=0.5, zorder=0.5)
+            c.ax.plot([fx, fx + fs], [fy + i * g] * 2, color="#eeeeee", lw=0.5, zorder=0.5)
+        q = fx + p[:, 0] * g, fy + p[:, 1] * g
+        ol = _outline(p)
+        c.ax.plot(fx + ol[:, 0] * g, fy + ol[:, 1] * g, color=col, lw=0.9, alpha=0.6, zorder=1)
+        c.ax.plot(q[0], q[1], ls="none", marker="o", ms=4.5, mfc=col, mec="white", mew=0.5, zorder=2)
+        c.text(fx + fs + 0.08, fy + fs - 0.1, name, size=8, color=col, ha="left")
+        c.text(fx + fs + 0.08, fy + fs - 0.3, f"object {k}", size=7.5, color=grey, ha="left")
+        c.text(fx + fs + 0.08, fy + fs - 0.48, f"{len(p)} points", size=7.5, color=grey, ha="left")
+        if k == 0:
+            c.text(fx - 0.06, fy, "0", size=6.5, color=grey, ha="right")
+            c.text(fx + fs, fy - 0.09, "4", size=6.5, color=grey)
+            c.text(fx - 0.06, fy + fs, "4", size=6.5, color=grey, ha="right")
+    # --- each placed by its own similarity transform
+    def frame(x0, y0, size, title, sub):
+        c.ax.add_patch(FancyBboxPatch((x0, y0), size, size, boxstyle="square,pad=0", fc="white",
+                                      ec="#bbbbbb", lw=0.7, zorder=0))
+        c.text(x0 + size / 2, y0 + size + 0.34, title, size=9.5, weight="bold")
+        c.text(x0 + size / 2, y0 + size + 0.12, sub, size=7.5, color=grey)
+        return lambda x: (x0 + (x[..., 0] + 1.08) / 2.16 * size, y0 + (x[..., 1] + 1.08) / 2.16 * size)
+
+    ax0, size, ymid = 2.6, 2.1, 2.0
+    tr = frame(ax0, ymid - size / 2, size, "each placed by its own transform",
+               r"$x = s\,R(\theta)\,p + t/s$  (Eq. 6.1)")
+    c.arrow((1.8, ymid), (ax0 - 0.06, ymid), color=INK, lw=1.2)
+    xm = (1.8 + ax0) / 2
+    c.text(xm, ymid + 0.62, "rotate $\\theta$,", size=8, color=INK)
+    c.text(xm, ymid + 0.42, "scale $s$,", size=8, color=INK)
+    c.text(xm, ymid + 0.22, "translate $t$", size=8, color=INK)
+    c.text(xm, ymid - 0.22, "one draw", size=7.5, color=grey)
+    c.text(xm, ymid - 0.4, "per object", size=7.5, color=grey)
+    for k, x in enumerate(placed):
+        col = J_COLOURS[k]
+        kept = poses[k][3]
+        ol = tr(_outline(x))
+        X, Y = tr(x)
+        c.ax.plot(*ol, color=col, lw=0.9, alpha=0.6 if kept else 0.35, ls="-" if kept else (0, (3, 2)), zorder=1)
+        if kept:
+            c.ax.plot(X, Y, ls="none", marker="o", ms=5.5, mfc=col, mec="white", mew=0.6, zorder=2)
+        else:
+            c.ax.plot(X, Y, ls="none", marker="o", ms=5.5, mfc="none", mec=col, mew=0.9, alpha=0.45, zorder=2)
+    th, s, _, _ = poses[0]
+    cx, cy = tr(placed[0].mean(0))
+    c.text(cx, cy, rf"$\theta$ = {np.rad2deg(th):.0f}°" + "\n" + f"$s$ = {s:g}", size=7, color=J_COLOURS[0])
+    th, s, _, _ = poses[1]
+    cx, cy = tr(placed[1].mean(0))
+    c.text(cx + 0.05, cy, rf"$\theta$ = {np.rad2deg(th):.0f}°" + "\n" + f"$s$ = {s:g}", size=7,
+           color=J_COLOURS[1])
+    cx, cy = tr(placed[2].mean(0))
+    c.text(cx, cy - 0.36, "dropped", size=7.5, color=J_COLOURS[2], weight="bold")
+    c.text(ax0 + size / 2, 0.55, "some patterns are dropped (each with $p$ = 1/2):",
+           size=8, color=INK)
+    c.text(ax0 + size / 2, 0.35, "their points are absent", size=8, color=INK)
+    # --- the union of the points: by object, and all grey
+    s2, gap = 1.5, 0.3
+    bx = [4.98, 4.98 + s2 + gap]
+    lab = frame(bx[0], ymid - s2 / 2, s2, "union of the points", "coloured by object (labels)")
+    see = frame(bx[1], ymid - s2 / 2, s2, "what the model sees", "7 points, shuffled, unlabelled")
+    c.arrow((ax0 + size + 0.04, ymid), (bx[0] - 0.04, ymid), color=INK, lw=1.2)
+    c.arrow((bx[0] + s2 + 0.03, ymid), (bx[1] - 0.03, ymid), color=INK, lw=1.0, ms=7)
+    for k, x in enumerate(placed):
+        if not poses[k][3]:
+            continue
+        c.ax.plot(*lab(x), ls="none", marker="o", ms=5, mfc=J_COLOURS[k], mec="white", mew=0.6, zorder=2)
+        c.ax.plot(*see(x), ls="none", marker="o", ms=5, mfc="#6f6f6f", mec="white", mew=0.6, zorder=2)
+    for i in range(2):
+        c.text(bx[i] + 0.03, ymid - s2 / 2 - 0.1, "−1", size=6.5, color=grey, ha="left")
+        c.text(bx[i] + s2 - 0.03, ymid - s2 / 2 - 0.1, "1", size=6.5, color=grey, ha="right")
+    c.text((bx[0] + bx[1] + s2) / 2, 0.55, r"coordinates normalised to $[-1, 1]$;", size=8)
+    c.text((bx[0] + bx[1] + s2) / 2, 0.35, "the dropped object's 4 slots: presence 0", size=8)
+    return c
+
+
+# ----------------------------------------------------------------------------------------------- 7. GMM
+def gmm() -> Canvas:
+    "The part capsules' Gaussian mixture (Chapter 7): votes, their scales and presences, and the points."
+    W, H = 8.5, 4.1
+    c = Canvas(W, H)
+    grey = "#666666"
+    # K = 3 capsules × N = 4 votes: centre, angle, size of the vote pattern, a_k, a_kn, λ_kn (in inches)
+    caps = [((1.15, 2.4), np.deg2rad(15), 0.62, 0.95, [0.95, 0.9, 0.85, 0.95], [0.2, 0.24, 0.17, 0.22]),
+            ((3.0, 2.3), np.deg2rad(-20), 0.68, 0.85, [0.9, 0.95, 0.8, 0.15], [0.24, 0.19, 0.22, 0.28]),
+            ((2.1, 1.45), np.deg2rad(40), 0.36, 0.3, [0.6, 0.5, 0.7, 0.6], [0.2, 0.17, 0.19, 0.2])]
+    unit = np.array([[-1, -1], [1, -1], [1, 1], [-1, 1]], float) / np.sqrt(2)
+    tri = np.array([[0, 1.0], [-0.87, -0.5], [0.87, -0.5], [1.1, 0.6]], float)
+    shapes = [unit, tri, unit]
+    rng = np.random.default_rng(3)
+    c.ax.add_patch(FancyBboxPatch((0.2, 0.55), 4.0, 3.3, boxstyle="round,pad=0,rounding_size=0.07",
+                                  fc="#fcfcfc", ec="#bbbbbb", lw=0.8, zorder=0))
+    c.text(2.2, 3.62, r"$K$ = 3 capsules × $N$ = 4 votes, $M$ = 7 points", size=8.5, weight="bold")
+    points = []
+    for k, ((cx, cy), th, r, a_k, a_kn, lam) in enumerate(caps):
+        R = np.array([[np.cos(th), -np.sin(th)], [np.sin(th), np.cos(th)]])
+        mu = shapes[k] * r @ R.T + (cx, cy)
+        col = J_COLOURS[k]
+        for m, a, l in zip(mu, a_kn, lam):
+            w = a_k * a
+            c.ax.add_patch(Circle(m, l, fc=col, ec="none", alpha=0.45 * w, zorder=1))
+            c.ax.add_patch(Circle(m, l, fc="none", ec=col, lw=0.6, alpha=0.8 * w, zorder=1))
+            c.ax.plot(*m, marker="x", ms=5, mew=1.3, color=col, alpha=max(0.25, w), zorder=2)
+            if k < 2 and a > 0.5:
+                points.append(m + rng.normal(0, 0.06, 2))
+    pts = np.array(points)
+    c.ax.plot(pts[:, 0], pts[:, 1], ls="none", marker="o", ms=4.2, color="black", zorder=4)
+    # legend under the plot
+    ly = 0.8
+    c.ax.plot(0.45, ly, marker="o", ms=4.2, color="black")
+    c.text(0.56, ly, "point $x_m$", size=7.5, ha="left")
+    c.ax.add_patch(Circle((1.55, ly), 0.11, fc=J_COLOURS[0], alpha=0.4, ec="none"))
+    c.ax.plot(1.55, ly, marker="x", ms=5, mew=1.3, color=J_COLOURS[0])
+    c.text(1.72, ly, r"vote $\mu_{kn}$, radius $\lambda_{kn}$, opacity $\propto a_k a_{kn}$", size=7.5,
+           ha="left")
+    c.text(2.2, 0.3, "colour = capsule $k$; the faint green capsule has $a_3$ = 0.3", size=7.5, color=grey)
+    # --- the formula
+    fx = 6.35
+    c.text(fx, 3.62, "the likelihood of the points (Eq. 7.2)", size=9.5, weight="bold")
+    c.path_text(fx, 2.98, r"$\log p(x_{1:M}) = \sum_m\, \log \sum_{k,n} \pi_{kn}\,"
+                r"\mathcal{N}(x_m \mid \mu_{kn}, \lambda_{kn}^2 I)$", size=10.5)
+    c.text(fx, 2.22, r"$\pi_{kn} = \dfrac{a_k\,a_{kn}}{\sum_{k',n'}\, a_{k'}\,a_{k'n'}}$", size=10.5)
+    c.text(fx, 1.62, "a point far from every disc is improbable", size=7.8, color=grey)
+    mix = c.box(fx, 0.95, 3.9, 0.7, "computed in log space: log-sum-exp", "", "mix", title_size=9)
+    mix.texts.append(c.text(fx, 0.83, r"$\log \sum_c e^{\ell_c} = \ell^* + \log \sum_c e^{\ell_c - \ell^*}$,"
+                            r"   $\ell_c = \log\pi_c + \log p(x_m \mid c)$,  $\ell^* = \max_c \ell_c$", size=8,
+                            check=False, zorder=3))
+    mix.texts[0].set_y(1.13)
+    return c
+
+
 FALLBACK = {                         # what a browser without DejaVu uses instead (Verdana has its metrics)
     "'DejaVu Sans Mono'": "'DejaVu Sans Mono', Menlo, Consolas, monospace",
     "'DejaVu Sans Display'": "'DejaVu Sans Display', 'DejaVu Sans', Verdana, sans-serif",
@@ -641,6 +883,9 @@ FIGURES: dict[str, Callable[[], Canvas]] = {
     "routing": routing,
     "set_transformer": set_transformer,
     "ccae": ccae,
+    "squash": squash,
+    "constellations": constellations,
+    "gmm": gmm,
 }
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from capsule_book.ccae import geometric_transform, load_ccae, segmentation_report
+from capsule_book.ccae import geometric_transform, load_ccae
+from capsule_book.segmentation import segmentation_report
 from capsule_book.constellations import make_constellations
 
 

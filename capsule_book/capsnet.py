@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = ['CAPSNET_RUN_KEYS', 'PrimaryCaps', 'CapsNetOutput', 'mask_capsules', 'CapsNet', 'capsnet_loss', 'TrainConfig',
            'lr_factor', 'evaluate', 'capsnet_task', 'train_capsnet', 'load_capsnet', 'plot_reconstructions',
-           'perturb_capsule', 'plot_perturbations', 'coupling_summary', 'plot_coupling', 'routing_statistics',
+           'perturb_capsule', 'plot_perturbations', 'coupling_summary', 'plot_capsnet_coupling', 'routing_statistics',
            'summarise_routing', 'plot_routing_statistics']
 
 # %% ../nbs/04_capsnet.ipynb #5f38e83e
@@ -325,7 +325,7 @@ def coupling_summary(model: CapsNet, images: Tensor) -> tuple[Tensor, Tensor, Te
     wm, cm = w.view(-1, 32, 6, 6), (w * c_pred).view(-1, 32, 6, 6)   # i = 36 t + 6 y + x
     return c_bar, cm.sum(1) / wm.sum(1).clamp_min(1e-12), pred
 
-def plot_coupling(model: CapsNet, images: Tensor):
+def plot_capsnet_coupling(model: CapsNet, images: Tensor):
     """Per image: the digit, c̄_j − 1/10 per class, and c_{i,pred} − 1/10 on the 6x6 grid
     (red: above uniform); the Figure."""
     import matplotlib.pyplot as plt

@@ -14,73 +14,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .constellations import Constellations, make_constellations
+from .segmentation import segmentation_accuracy, segmentation_report
 from .gmm import (check_background, gmm_log_joint, gmm_log_likelihood,
                               gmm_log_likelihood_from_joint, gmm_posterior_from_joint)
 from .set_transformer import SAB, Multihead, SetTransformer, _check_mask, _check_set
 from .train import RunResult, SyntheticStream, Task, UserError, fit, load_checkpoint
 
 # %% auto #0
-__all__ = ['OFFICIAL_WEIGHTS', 'OFFICIAL_MODEL', 'OFFICIAL_TEMPLATE_INIT', 'segmentation_accuracy', 'segmentation_report',
-           'OfficialCapsuleEncoder', 'capsule_encoder', 'BatchLinear', 'BatchMLP', 'geometric_transform',
-           'CapsuleVotes', 'capsule_votes', 'vote_mixture', 'ccae_losses', 'ccae_loss', 'CCAEOutput', 'CCAE',
-           'evaluate_ccae', 'ccae_task', 'train_ccae', 'load_ccae', 'plot_ccae', 'plot_ccae_history']
-
-# %% ../nbs/08_ccae.ipynb #8dd6f109
-import itertools
-
-from scipy.optimize import linear_sum_assignment
-
-# %% ../nbs/08_ccae.ipynb #71018316
-def segmentation_accuracy(assignment: Tensor, pattern_id: Tensor, presence: Tensor,
-                          n_capsules: Optional[int] = None,
-                          n_patterns: Optional[int] = None) -> float:
-    """Fraction of present points whose capsule (assignment [B,M]) matches their object
-    (pattern_id [B,M]) under the best one-to-one matching per example."""
-    if not (assignment.shape == pattern_id.shape == presence.shape) or assignment.dim() != 2:
-        raise ValueError("assignment, pattern_id and presence must all be [B, M], got "
-                         f"{tuple(assignment.shape)}, {tuple(pattern_id.shape)} and "
-                         f"{tuple(presence.shape)}")
-    a, y, p = (t.detach().cpu().long().numpy() for t in (assignment, pattern_id, presence))
-    p = p.astype(bool)
-    K = int(n_capsules if n_capsules is not None else a.max() + 1)
-    J = int(n_patterns if n_patterns is not None else y.max() + 1)
-    B = a.shape[0]
-    b_idx = np.broadcast_to(np.arange(B)[:, None], a.shape)
-    # n_jk per example, present points only
-    counts = np.zeros((B, J, K), dtype=np.int64)
-    np.add.at(counts, (b_idx[p], y[p], a[p]), 1)
-    # match the smaller side into the larger
-    if J > K: counts = counts.transpose(0, 2, 1)
-    rows, cols = counts.shape[1:]
-    # every one-to-one map at once (3 x 3: 6 maps)
-    if math.perm(cols, rows) <= 720:
-        maps = np.array(list(itertools.permutations(range(cols), rows)))              # [P, rows]
-        # [B, P, rows] -> best map
-        correct = int(counts[:, np.arange(rows), maps].sum(-1).max(-1).sum())
-    else:
-        # the Hungarian algorithm, example by example
-        correct = sum(int(n[linear_sum_assignment(n, maximize=True)].sum()) for n in counts)
-    total = int(p.sum())
-    return correct / total if total else float("nan")
-
-# %% ../nbs/08_ccae.ipynb #bf024d24
-def segmentation_report(assignment: Tensor, pattern_id: Tensor, presence: Tensor,
-                        n_capsules: int) -> dict:
-    """`segmentation_accuracy` and its floor (every point in one capsule), over all examples and
-    over those with c objects present (keys `_{c}_objects`)."""
-    a, y, p = assignment.cpu(), pattern_id.cpu(), presence.cpu().bool()
-    floor = torch.zeros_like(a)                                        # every point in capsule 0
-    res = {"accuracy": segmentation_accuracy(a, y, p, n_capsules),
-           "one_capsule_baseline": segmentation_accuracy(floor, y, p, n_capsules)}
-    # [B]
-    n_objects = torch.stack([((y == j) & p).any(1) for j in range(int(y.max()) + 1)], 1).sum(1)
-    for c in range(1, int(n_objects.max()) + 1):
-        sel = n_objects == c
-        for key, assigned in (("accuracy", a), ("one_capsule_baseline", floor)):
-            res[f"{key}_{c}_objects"] = (segmentation_accuracy(assigned[sel], y[sel], p[sel],
-                                                               n_capsules)
-                                         if sel.any() else float("nan"))
-    return res
+__all__ = ['OFFICIAL_WEIGHTS', 'OFFICIAL_MODEL', 'OFFICIAL_TEMPLATE_INIT', 'OfficialCapsuleEncoder', 'capsule_encoder',
+           'BatchLinear', 'BatchMLP', 'geometric_transform', 'CapsuleVotes', 'capsule_votes', 'vote_mixture',
+           'ccae_losses', 'ccae_loss', 'CCAEOutput', 'CCAE', 'evaluate_ccae', 'ccae_task', 'train_ccae', 'load_ccae',
+           'plot_ccae', 'plot_ccae_history']
 
 # %% ../nbs/08_ccae.ipynb #a4b228bb
 class OfficialCapsuleEncoder(nn.Module):

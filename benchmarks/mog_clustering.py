@@ -128,12 +128,14 @@ def main() -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--speed", action="store_true", help="time one training step against the authors' modules")
     p.add_argument("--rounds", type=int, default=7, help="--speed: interleaved rounds (median)")
+    p.add_argument("--out", default=None, help="--speed: also write the JSON to this file")
     args = p.parse_args()
     if args.speed:
         res = speed(args.rounds)
         print("| model (batch 10 × 450 points, ISAB(32) encoder, 1 thread) | ms per step | speed-up |\n|---|---|---|")
         for k, v in res.items(): print(f"| {k} | {v['ms']} | {v['speed-up']}× |")
         print(json.dumps(res))
+        if args.out: Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
         return
     print(f"torch threads {torch.get_num_threads()}, args {vars(args)}", flush=True)
     rows = {}

@@ -11,10 +11,10 @@ from typing import Callable, Optional
 
 # %% auto #0
 __all__ = ['COMMANDS', 'register', 'Parser', 'build_parser', 'main', 'positive', 'positive_float', 'device', 'run_arguments',
-           'run_settings', 'resume_command', 'eval_arguments', 'load_for_eval', 'capsnet_train_arguments',
-           'train_capsnet_command', 'capsnet_eval_arguments', 'eval_capsnet_command', 'mog_train_arguments',
-           'train_mog_command', 'mog_eval_arguments', 'eval_mog_command', 'ccae_train_arguments', 'ccae_from_args',
-           'train_ccae_command', 'ccae_eval_arguments', 'eval_ccae_command']
+           'print_last_row', 'run_settings', 'resume_command', 'eval_arguments', 'load_for_eval',
+           'capsnet_train_arguments', 'train_capsnet_command', 'capsnet_eval_arguments', 'eval_capsnet_command',
+           'mog_train_arguments', 'train_mog_command', 'mog_eval_arguments', 'eval_mog_command', 'ccae_train_arguments',
+           'ccae_from_args', 'train_ccae_command', 'ccae_eval_arguments', 'eval_ccae_command']
 
 # %% ../nbs/93_cli.ipynb #642e09a9
 COMMANDS: dict[str, dict[str, tuple[Callable, Callable, str]]] = {"train": {}, "eval": {}}
@@ -119,6 +119,11 @@ def run_arguments(p: argparse.ArgumentParser, out: str, steps: Optional[int],
     g.add_argument("--log-every", type=positive, default=50,
                    help="steps between rows of metrics.jsonl (default 50)")
 
+def print_last_row(result) -> int:
+    "Print the last metrics row of a run as JSON (the command's result); exit status 0."
+    if result.history: print(json.dumps(result.history[-1]))
+    return 0
+
 def run_settings(args: argparse.Namespace) -> dict:
     "The engine's settings from the shared flags."
     return dict(out=args.out, resume=args.resume, max_minutes=args.max_minutes,
@@ -187,8 +192,7 @@ def train_capsnet_command(args: argparse.Namespace) -> int:
                       device=args.device, data_root=args.data_root,
                       eval_every=args.eval_every or None, **run_settings(args))
     result = train_capsnet(cfg, resume_command=resume_command(args))
-    if result.history: print(json.dumps(result.history[-1]))
-    return 0
+    return print_last_row(result)
 
 def capsnet_eval_arguments(p: argparse.ArgumentParser) -> None:
     "The flags of `capsule-book eval capsnet`."
@@ -245,8 +249,7 @@ def train_mog_command(args: argparse.Namespace) -> int:
                     eval_batches=args.eval_batches, steps=args.steps, seed=args.seed,
                     device=args.device, eval_every=args.eval_every, **run_settings(args))
     result = train_mog(cfg, resume_command=resume_command(args))
-    if result.history: print(json.dumps(result.history[-1]))
-    return 0
+    return print_last_row(result)
 
 def mog_eval_arguments(p: argparse.ArgumentParser) -> None:
     "The flags of `capsule-book eval mog`."
@@ -330,8 +333,7 @@ def train_ccae_command(args: argparse.Namespace) -> int:
                         optimizer=args.optimizer, seed=args.seed, eval_every=args.eval_every,
                         eval_n=args.eval_n, lr_decay=args.lr_decay,
                         resume_command=resume_command(args), **run_settings(args))
-    if result.history: print(json.dumps(result.history[-1]))
-    return 0
+    return print_last_row(result)
 
 def ccae_eval_arguments(p: argparse.ArgumentParser) -> None:
     "The flags of `capsule-book eval ccae`."

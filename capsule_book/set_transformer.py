@@ -4,8 +4,7 @@
 from __future__ import annotations
 
 import math
-import time
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F

@@ -2,9 +2,9 @@
 
 # %% auto #0
 __all__ = ['CAPSNET_RUN_KEYS', 'PrimaryCaps', 'CapsNetOutput', 'mask_capsules', 'CapsNet', 'capsnet_loss', 'TrainConfig',
-           'lr_factor', 'evaluate', 'capsnet_task', 'train_capsnet', 'load_capsnet', 'plot_reconstructions',
-           'perturb_capsule', 'plot_perturbations', 'coupling_summary', 'plot_capsnet_coupling', 'routing_statistics',
-           'summarise_routing', 'plot_routing_statistics']
+           'capsnet_from_config', 'lr_factor', 'evaluate', 'capsnet_task', 'train_capsnet', 'load_capsnet',
+           'plot_reconstructions', 'perturb_capsule', 'plot_perturbations', 'coupling_summary', 'plot_capsnet_coupling',
+           'routing_statistics', 'summarise_routing', 'plot_routing_statistics']
 
 # %% ../nbs/04_capsnet.ipynb #5f38e83e
 import json
@@ -81,12 +81,18 @@ def mask_capsules(caps: Tensor, index: Tensor) -> Tensor:
 class CapsNet(nn.Module):
     """Sabour et al. (2017): Conv1 -> PrimaryCaps (1152 x 8-D) -> DigitCaps
     (10 x 16-D, routing) -> decoder."""
-    def __init__(self, routing_iterations: int = 3, n_classes: int = 10, conv_impl: str = "auto"):
+    def __init__(self, routing_iterations: int = 3, n_classes: int = 10, conv_impl: str = "auto",
+                 w_std: float = 0.01, detach_intermediate: bool = True,
+                 routing_bias: Optional[float] = None):
         super().__init__()
         self.n_classes = n_classes
         self.conv1 = nn.Conv2d(1, 256, kernel_size=9)
         self.primary_caps = PrimaryCaps(256, 32, 8, kernel_size=9, stride=2, conv_impl=conv_impl)
-        self.digit_caps = Router(32 * 6 * 6, n_classes, 8, 16, iterations=routing_iterations)
+        # (w_std, detach_intermediate, routing_bias: the official code's departures are
+        # 0.1, False, 0.1; see "The official code's departures")
+        self.digit_caps = Router(32 * 6 * 6, n_classes, 8, 16, iterations=routing_iterations,
+                                 detach_intermediate=detach_intermediate, bias=routing_bias,
+                                 std=w_std)
         self.decoder = nn.Sequential(nn.Linear(16 * n_classes, 512), nn.ReLU(inplace=True),
                                      nn.Linear(512, 1024), nn.ReLU(inplace=True),
                                      nn.Linear(1024, 784), nn.Sigmoid())
@@ -142,6 +148,9 @@ class TrainConfig:
     decay_steps: int = 2000
     min_lr: float = 1e-6                  # the official code's floor
     recon_weight: float = 0.0005          # 0: no reconstruction loss (the paper's Table 1 ablation)
+    w_std: float = 0.01                   # W_ij ~ N(0, w_std²) (official code: 0.1)
+    detach_intermediate: bool = True      # False: gradient through every iteration (official code)
+    routing_bias: Optional[float] = None  # β_j in s_j, from this value (official code: 0.1)
     max_shift: int = 2
     limit_train: Optional[int] = None
     limit_test: Optional[int] = None
@@ -164,7 +173,15 @@ class TrainConfig:
 
 # the settings that define a run: a checkpoint made with other values is refused on resume
 CAPSNET_RUN_KEYS = ("batch_size", "routing_iterations", "lr", "decay_rate", "decay_steps", "min_lr",
-                    "recon_weight", "max_shift", "limit_train", "limit_test", "sample", "seed")
+                    "recon_weight", "max_shift", "limit_train", "limit_test", "sample", "seed",
+                    "w_std", "detach_intermediate", "routing_bias")
+
+def capsnet_from_config(config: dict) -> "CapsNet":
+    """The (untrained) CapsNet a run's configuration describes; runs made before the
+    departure options existed used their defaults."""
+    return CapsNet(config["routing_iterations"], w_std=config.get("w_std", 0.01),
+                   detach_intermediate=config.get("detach_intermediate", True),
+                   routing_bias=config.get("routing_bias"))
 
 def lr_factor(step: int, decay_rate: float = 0.96, decay_steps: int = 2000,
               floor: float = 1e-3) -> float:
@@ -173,11 +190,13 @@ def lr_factor(step: int, decay_rate: float = 0.96, decay_steps: int = 2000,
 
 # %% ../nbs/04_capsnet.ipynb #e0b3bf85
 @torch.no_grad()
-def evaluate(model: CapsNet, batches: MNISTBatches, world: int = 1) -> dict:
+def evaluate(model: CapsNet, batches: MNISTBatches, world: int = 1,
+             iterations: Optional[int] = None) -> dict:
     """Test accuracy, error and mean margin loss of `model` (masking by prediction)
-    over `batches`, summed over ranks."""
-    was_training = model.training
+    over `batches`, summed over ranks; routed with `iterations` if given (else as trained)."""
+    was_training, trained = model.training, model.digit_caps.iterations
     model.eval()
+    model.digit_caps.iterations = iterations or trained
     margin = MarginLoss(model.n_classes)
     sums = torch.zeros(3, dtype=torch.float64, device=batches.device)     # [loss * n, correct, n]
     for x, y in batches:
@@ -186,6 +205,7 @@ def evaluate(model: CapsNet, batches: MNISTBatches, world: int = 1) -> dict:
                              (out.predictions == y).sum().double(),
                              torch.tensor(float(len(y)), dtype=torch.float64, device=sums.device)])
     model.train(was_training)
+    model.digit_caps.iterations = trained
     loss_n, correct, n = all_sum(sums, world).tolist()
     return {"accuracy": correct / n, "error": 1 - correct / n, "loss": loss_n / n, "n": int(n)}
 
@@ -196,7 +216,7 @@ def capsnet_task(cfg: TrainConfig, rank: int = 0, world: int = 1,
     """The engine's task for a CapsNet run (model, Adam, Eq. 4.1, shifted batches, loss,
     test) and the batches per epoch."""
     torch.manual_seed(cfg.seed)
-    model = CapsNet(cfg.routing_iterations).to(device)
+    model = capsnet_from_config({k: getattr(cfg, k) for k in CAPSNET_RUN_KEYS}).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     x_tr, y_tr = load_mnist(True, root=cfg.data_root, limit=cfg.limit_train, sample=cfg.sample)
     x_te, y_te = load_mnist(False, root=cfg.data_root, limit=cfg.limit_test, sample=cfg.sample)
@@ -244,7 +264,7 @@ def load_capsnet(path: Union[str, Path],
     ck = load_checkpoint(path, map_location=device)
     if ck.get("task") != "capsnet":
         raise UserError(f"{path} holds a {ck.get('task', 'unknown')} checkpoint, not a CapsNet one")
-    model = CapsNet(ck["config"]["routing_iterations"]).to(device)
+    model = capsnet_from_config(ck["config"]).to(device)
     model.load_state_dict(ck["model"])
     return model.eval(), ck
 
@@ -351,11 +371,12 @@ def plot_capsnet_coupling(model: CapsNet, images: Tensor):
 # %% ../nbs/04_capsnet.ipynb #025d31cc
 @torch.no_grad()
 def routing_statistics(model: CapsNet, images: Tensor, labels: Tensor,
-                       batch_size: int = 250) -> dict:
-    """Per test digit [N] and primary capsule [1152]: couplings after 1..r
-    iterations, summarised; see the chapter."""
+                       batch_size: int = 250, iterations: Optional[int] = None) -> dict:
+    """Per test digit [N] and primary capsule [1152]: couplings after 1..r iterations (r: the
+    model's, or `iterations`), summarised; see the chapter."""
     model.eval()
-    r = model.digit_caps.iterations
+    trained = model.digit_caps.iterations
+    r = iterations or trained
     keys = ("max_c", "entropy", "change", "last_step", "to_true", "to_other", "weight")
     out = {k: [] for k in keys}
     try:
@@ -382,7 +403,7 @@ def routing_statistics(model: CapsNet, images: Tensor, labels: Tensor,
             out["to_other"].append((1 - true) / (J - 1))
             out["weight"].append(u.norm(dim=-1))                           # ‖u_i‖
     finally:
-        model.digit_caps.iterations = r
+        model.digit_caps.iterations = trained
     res = {k: torch.cat(v) for k, v in out.items()}
     res["label"] = labels
     return res

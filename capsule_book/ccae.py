@@ -127,9 +127,9 @@ class CapsuleVotes(NamedTuple):
     op_dynamic: Tensor   # [B, K, N, 6], the input-dependent part of OP_k,n's parameters
 
 def capsule_votes(raw: Tensor, bias: Tensor, op_static: Tensor, similarity: bool = True,
-                  noise_scale: float = 0.0) -> CapsuleVotes:
+                  noise_scale: float = 0.0, static_parts: bool = False) -> CapsuleVotes:
     """h^part's output raw [B, K, 8N+7], the bias [K, 2N+7] of its last 2N+7 and the static
-    OP params [K, N, 6] -> Eq. (3)."""
+    OP params [K, N, 6] -> Eq. (3); `static_parts`: ℓ_k,n from the bias alone."""
     K, N = op_static.shape[:2]
     if raw.dim() != 3 or raw.shape[1:] != (K, 8 * N + 7) or bias.shape != (K, 2 * N + 7):
         raise ValueError(f"expected raw [B, {K}, {8 * N + 7}] and bias [{K}, {2 * N + 7}], got "
@@ -137,6 +137,9 @@ def capsule_votes(raw: Tensor, bias: Tensor, op_static: Tensor, similarity: bool
     B = raw.shape[0]
     op_dynamic = raw[..., :6 * N].reshape(B, K, N, 6)                             # [B, K, N, 6]
     ov_params, l_k, l_kn, scale_params = (raw[..., 6 * N:] + bias).split([6, 1, N, N], -1)
+    if static_parts:
+        # one learned logit per capsule part, the same in every example: [B, K, N]
+        l_kn = bias[:, 7:7 + N].expand(B, K, N)
     # presence-logit noise (training)
     if noise_scale > 0:
         l_k = l_k + (torch.rand_like(l_k) - 0.5) * noise_scale                   # [B, K, 1]
@@ -254,16 +257,20 @@ class CCAE(nn.Module):
                  n_heads: int = 4, n_layers: int = 4, n_hidden: int = 128, similarity: bool = True,
                  noise_scale: float = 4.0, n_classes: int = 2, weights: Optional[dict] = None,
                  encoder: str = "set_transformer", background: Optional[float] = None,
-                 template_init: float = OFFICIAL_TEMPLATE_INIT):
+                 template_init: float = OFFICIAL_TEMPLATE_INIT, part_presence: str = "dynamic"):
         super().__init__()
+        if part_presence not in ("dynamic", "static"):
+            raise ValueError(f"part_presence must be 'dynamic' or 'static', got {part_presence!r}")
         K, N = n_objects, n_votes
         self.config = dict(n_objects=K, n_votes=N, dim_special=dim_special, dim=dim,
                            n_heads=n_heads, n_layers=n_layers, n_hidden=n_hidden,
                            similarity=similarity, noise_scale=noise_scale, n_classes=n_classes,
                            weights=weights, encoder=encoder, background=background,
-                           template_init=template_init)
+                           template_init=template_init, part_presence=part_presence)
         self.K, self.N, self.similarity, self.noise_scale, self.n_classes = (
             K, N, similarity, noise_scale, n_classes)
+        # static: a_k,n = σ(ℓ_k,n) learned per capsule part, not decoded from c_k
+        self.static_parts = part_presence == "static"
         self.weights = {**OFFICIAL_WEIGHTS, **(weights or {})}
         unknown = set(self.weights) - set(OFFICIAL_WEIGHTS)
         if unknown:
@@ -305,7 +312,8 @@ class CCAE(nn.Module):
         # presence noise: training only
         noise = self.noise_scale if self.training else 0.0
         # Eqs. (2)-(3)
-        votes = capsule_votes(self.h_part(c), self.bias, self.op_static, self.similarity, noise)
+        votes = capsule_votes(self.h_part(c), self.bias, self.op_static, self.similarity, noise,
+                              self.static_parts)
         # Eq. (5), (7.3)
         ll, post, assignment = vote_mixture(x, present, votes, self.background)
         losses = ccae_losses(votes, ll, post, assignment, present, self.n_classes)
@@ -336,9 +344,16 @@ def evaluate_ccae(model: CCAE, n: int = 10_000, batch_size: int = 32, seed: int 
 # %% ../nbs/08_ccae.ipynb #46cb84ff
 def ccae_task(model: CCAE, batch_size: int = 32, lr: float = 1e-4, seed: int = 0,
               optimizer: str = "rmsprop", lr_decay: float = 1.0, decay_steps: int = 10_000,
-              eval_n: int = 2000, resume_command: str = "") -> Task:
-    """The engine's task for a CCAE on fresh constellations: RMSProp (official) or Adam, η(s)
+              eval_n: int = 2000, resume_command: str = "", drop_prob: float = 0.5,
+              complete_steps: int = 0) -> Task:
+    """The engine's task for a CCAE on fresh constellations (each pattern dropped with
+    `drop_prob`, none in the first `complete_steps`): RMSProp (official) or Adam, η(s)
     = lr·lr_decay^(s/decay_steps)."""
+    if not 0 <= drop_prob < 1:
+        raise ValueError(f"drop_prob must lie in [0, 1), got {drop_prob}")
+    if complete_steps < 0 or complete_steps % 100:
+        raise ValueError(f"complete_steps must be a multiple of 100 (one chunk of batches), got "
+                         f"{complete_steps}")
     if not 0 < lr_decay <= 1 or decay_steps < 1:
         raise ValueError(f"lr_decay must lie in (0, 1] and decay_steps be >= 1, got {lr_decay} and "
                          f"{decay_steps}")
@@ -352,9 +367,10 @@ def ccae_task(model: CCAE, batch_size: int = 32, lr: float = 1e-4, seed: int = 0
         raise ValueError(f"optimizer must be 'rmsprop' or 'adam', got {optimizer!r}")
     device = next(model.parameters()).device
 
-    # 100 batches, one normalisation
-    def chunk(g: torch.Generator) -> list[Constellations]:
-        data = make_constellations(100 * batch_size, generator=g)
+    # chunk n: 100 batches, one normalisation; complete constellations before complete_steps
+    def chunk(g: torch.Generator, n: int) -> list[Constellations]:
+        drop = 0.0 if 100 * n < complete_steps else drop_prob
+        data = make_constellations(100 * batch_size, generator=g, drop_prob=drop)
         return [Constellations(*(t[i * batch_size:(i + 1) * batch_size] for t in data))
                 for i in range(100)]
 
@@ -365,8 +381,9 @@ def ccae_task(model: CCAE, batch_size: int = 32, lr: float = 1e-4, seed: int = 0
         return out.loss, {**{k: v.detach() for k, v in out.losses.items()}, "train_accuracy": acc}
 
     config = dict(model=model.config, batch_size=batch_size, lr=lr, optimizer=optimizer,
-                  lr_decay=lr_decay, decay_steps=decay_steps, seed=seed)
-    return Task("ccae", config, model, opt, SyntheticStream(chunk, seed), loss,
+                  lr_decay=lr_decay, decay_steps=decay_steps, seed=seed, drop_prob=drop_prob,
+                  complete_steps=complete_steps)
+    return Task("ccae", config, model, opt, SyntheticStream(chunk, seed, indexed=True), loss,
                 lambda s: lr * lr_decay ** (s / decay_steps),
                 evaluate=lambda m: {k: v for k, v in evaluate_ccae(m, eval_n, batch_size).items()
                                     if k != "n"},
@@ -379,11 +396,12 @@ def train_ccae(model: CCAE, steps: int, batch_size: int = 32, lr: float = 1e-4, 
                checkpoint_every: int = 1000, checkpoint_minutes: float = 10.0, log_every: int = 50,
                eval_every: int = 0, eval_n: int = 2000, progress: bool = True,
                lr_decay: float = 1.0, decay_steps: int = 10_000, stop_at: Optional[int] = None,
-               resume_command: str = "") -> RunResult:
+               resume_command: str = "", drop_prob: float = 0.5,
+               complete_steps: int = 0) -> RunResult:
     """Train `model` on fresh constellations for `steps` steps in all through
     the engine (in `out`, resumable)."""
     task = ccae_task(model, batch_size, lr, seed, optimizer, lr_decay, decay_steps, eval_n,
-                     resume_command)
+                     resume_command, drop_prob, complete_steps)
     return fit(task, steps, out=out, resume=resume, max_minutes=max_minutes,
                checkpoint_every=checkpoint_every, checkpoint_minutes=checkpoint_minutes,
                log_every=log_every, eval_every=eval_every, progress=progress, stop_at=stop_at)

@@ -14,7 +14,7 @@ __all__ = ['COMMANDS', 'register', 'Parser', 'build_parser', 'main', 'positive',
            'print_last_row', 'run_settings', 'resume_command', 'eval_arguments', 'load_for_eval',
            'capsnet_train_arguments', 'train_capsnet_command', 'capsnet_eval_arguments', 'eval_capsnet_command',
            'mog_train_arguments', 'train_mog_command', 'mog_eval_arguments', 'eval_mog_command', 'ccae_train_arguments',
-           'ccae_from_args', 'train_ccae_command', 'ccae_eval_arguments', 'eval_ccae_command']
+           'ccae_from_args', 'ccae_train_settings', 'train_ccae_command', 'ccae_eval_arguments', 'eval_ccae_command']
 
 # %% ../nbs/93_cli.ipynb #642e09a9
 COMMANDS: dict[str, dict[str, tuple[Callable, Callable, str]]] = {"train": {}, "eval": {}}
@@ -168,6 +168,12 @@ def capsnet_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--recon-weight", type=float, default=0.0005,
                    help="0: no reconstruction loss (default 0.0005)")
+    p.add_argument("--w-std", type=positive_float, default=0.01,
+                   help="standard deviation of the initial W_ij (default 0.01; official code 0.1)")
+    p.add_argument("--full-gradient", action="store_true",
+                   help="back-propagate through every routing iteration (official code)")
+    p.add_argument("--routing-bias", type=float, default=None,
+                   help="add a learned bias to s_j, from this value (official code: 0.1)")
     p.add_argument("--limit-train", type=positive, default=None,
                    help="train on the first N digits only")
     p.add_argument("--limit-test", type=positive, default=None,
@@ -187,7 +193,9 @@ def train_capsnet_command(args: argparse.Namespace) -> int:
         raise ValueError(f"--recon-weight must be >= 0, got {args.recon_weight}")
     cfg = TrainConfig(epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
                       routing_iterations=args.routing_iterations, lr=args.lr,
-                      recon_weight=args.recon_weight, limit_train=args.limit_train,
+                      recon_weight=args.recon_weight, w_std=args.w_std,
+                      detach_intermediate=not args.full_gradient, routing_bias=args.routing_bias,
+                      limit_train=args.limit_train,
                       limit_test=args.limit_test, sample=args.sample, seed=args.seed,
                       device=args.device, data_root=args.data_root,
                       eval_every=args.eval_every or None, **run_settings(args))
@@ -302,6 +310,14 @@ def ccae_train_arguments(p: argparse.ArgumentParser) -> None:
                         "(official 0.45)")
     p.add_argument("--posterior-sparsity", type=float, default=0.0,
                    help="weight of both posterior sparsity losses (official constellation run: 0)")
+    p.add_argument("--part-presence", choices=["dynamic", "static"], default="dynamic",
+                   help="dynamic: a_k,n decoded from each capsule (official); static: one learned "
+                        "logit per capsule part")
+    p.add_argument("--drop-prob", type=float, default=0.5,
+                   help="probability that a pattern is left out of a training constellation "
+                        "(official 0.5)")
+    p.add_argument("--complete-steps", type=int, default=0,
+                   help="train the first N steps (a multiple of 100) on complete constellations")
     p.add_argument("--eval-n", type=positive, default=2000,
                    help="fresh constellations per evaluation (default 2000)")
     run_arguments(p, "runs/ccae", 300_000, eval_every=10_000)
@@ -316,7 +332,15 @@ def ccae_from_args(args: argparse.Namespace):
     return CCAE(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
                 dim_special=args.dim_special, encoder=args.encoder,
                 background=args.background or None, weights=weights,
-                template_init=args.template_init)
+                template_init=args.template_init, part_presence=args.part_presence)
+
+def ccae_train_settings(args: argparse.Namespace) -> dict:
+    """`train_ccae`'s keywords from the `train ccae` arguments
+    (shared by the command line and benchmarks/ccae.py)."""
+    return dict(batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
+                eval_every=args.eval_every, eval_n=args.eval_n, lr_decay=args.lr_decay,
+                drop_prob=args.drop_prob, complete_steps=args.complete_steps,
+                resume_command=resume_command(args), **run_settings(args))
 
 @register("train", "ccae", ccae_train_arguments,
           help="Constellation Capsule Autoencoder (Kosiorek et al. 2019)")
@@ -329,10 +353,7 @@ def train_ccae_command(args: argparse.Namespace) -> int:
     import torch
     torch.manual_seed(args.seed)
     model = ccae_from_args(args).to(torch_device)
-    result = train_ccae(model, args.steps, batch_size=args.batch_size, lr=args.lr,
-                        optimizer=args.optimizer, seed=args.seed, eval_every=args.eval_every,
-                        eval_n=args.eval_n, lr_decay=args.lr_decay,
-                        resume_command=resume_command(args), **run_settings(args))
+    result = train_ccae(model, args.steps, **ccae_train_settings(args))
     return print_last_row(result)
 
 def ccae_eval_arguments(p: argparse.ArgumentParser) -> None:

@@ -14,57 +14,70 @@ __all__ = ['gaussian_log_density', 'gmm_log_joint', 'gmm_log_likelihood', 'gmm_l
            'plot_log_likelihood_stability', 'check_background', 'gmm_posterior', 'gmm_posterior_from_joint']
 
 # %% ../nbs/07_gmm.ipynb #2397e311
+def _per_example(mask: Tensor, like: Tensor) -> Tensor:
+    "A per-example mask [B] shaped to broadcast against scales [B,C] or [B,C,D]."
+    return mask.view(-1, *[1] * (like.dim() - 1))
+
 def _check_gmm_inputs(x: Tensor, presence: Optional[Tensor], means: Tensor, scales: Tensor,
                       mixing_logits: Optional[Tensor]) -> None:
     """Refuse, naming expected and received, all but x [B,M,D], presence [B,M], means [B,C,D],
-    logits [B,C], scales [B,C] > 0."""
+    logits [B,C], scales [B,C] or [B,C,D] > 0."""
     if x.dim() != 3:
         raise ValueError(f"x must be [B, M, D], got shape {tuple(x.shape)}")
     B, M, D = x.shape
     C = means.shape[1] if means.dim() == 3 else -1
-    expected = {"presence": (B, M), "means": (B, C, D), "scales": (B, C), "mixing_logits": (B, C)}
-    for name, t in (("presence", presence), ("means", means), ("scales", scales),
+    # isotropic λ_c (Eq. 7.1) or diagonal λ_cd (Eq. 7.1')
+    expected = {"means": [(B, C, D)], "presence": [(B, M)], "scales": [(B, C), (B, C, D)],
+                "mixing_logits": [(B, C)]}
+    for name, t in (("means", means), ("presence", presence), ("scales", scales),
                     ("mixing_logits", mixing_logits)):
-        if t is not None and (tuple(t.shape) != expected[name] or C < 1):
-            raise ValueError(f"{name} must have shape {expected[name] if C > 0 else '[B, C, D]'} "
-                             f"(from x {tuple(x.shape)} and means {tuple(means.shape)}), got "
-                             f"{tuple(t.shape)}")
-    # λ_c > 0: log λ_c and 1/λ_c² of Eq. (7.1)
+        if t is not None and (tuple(t.shape) not in expected[name] or C < 1):
+            shapes = " or ".join(map(str, expected[name])) if C > 0 else "[B, C, D], C >= 1"
+            raise ValueError(f"{name} must have shape {shapes} (from x {tuple(x.shape)} and means "
+                             f"{tuple(means.shape)}), got {tuple(t.shape)}")
+    # λ > 0: log λ and 1/λ² of Eqs. (7.1), (7.1')
     ok = (scales > 0) & torch.isfinite(scales)
     # an example with no point uses no scale
     if presence is not None:
-        ok |= ~presence.bool().any(1, keepdim=True)
+        ok |= _per_example(~presence.bool().any(1), scales)
     # one reduction; the culprit only on failure
     if not ok.all():
         first = (~ok).nonzero()[0].tolist()
-        raise ValueError("scales must be positive and finite (each λ_c is a standard deviation); "
+        raise ValueError("scales must be positive and finite (each λ is a standard deviation); "
                          f"got min {scales.min().item():.3g}, max {scales.max().item():.3g}, "
                          f"scales{first} = {scales[tuple(first)].item():.3g}")
 
 def _log_normal(x: Tensor, means: Tensor, scales: Tensor) -> Tensor:
-    "Eq. (7.1) on checked inputs: x [B,M,D], means [B,C,D], scales [B,C] → [B,M,C]."
+    """Eq. (7.1) (scales [B,C]) or Eq. (7.1') (scales [B,C,D]) on checked inputs:
+    x [B,M,D], means [B,C,D] → [B,M,C]."""
     D = x.shape[-1]
+    # x_m − μ_c, [B, M, C, D]
+    diff = x[:, :, None, :] - means[:, None, :, :]
+    if scales.dim() == 3:
+        lam = scales[:, None]                                                 # λ_cd, [B, 1, C, D]
+        return (-0.5 * D * math.log(2 * math.pi) - torch.log(lam).sum(-1)
+                - (diff.pow(2) / (2 * lam**2)).sum(-1))
     # ‖x_m − μ_c‖², [B, M, C]
-    sq_dist = (x[:, :, None, :] - means[:, None, :, :]).pow(2).sum(-1)
+    sq_dist = diff.pow(2).sum(-1)
     lam = scales[:, None, :]                                                  # λ_c, [B, 1, C]
     return -0.5 * D * math.log(2 * math.pi) - D * torch.log(lam) - sq_dist / (2 * lam**2)
 
 def gaussian_log_density(x: Tensor, means: Tensor, scales: Tensor) -> Tensor:
-    """Eq. (7.1): log N(x_m | μ_c, λ_c I) for x [B,M,D], means [B,C,D], scales
-    [B,C] (positive); returns [B,M,C]."""
+    """Eq. (7.1) or (7.1'): log N(x_m | μ_c, λ_c) for x [B,M,D], means [B,C,D], scales
+    [B,C] or [B,C,D] (positive); returns [B,M,C]."""
     _check_gmm_inputs(x, None, means, scales, None)
     return _log_normal(x, means, scales)
 
 def gmm_log_joint(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mixing_logits: Tensor,
                   background: Optional[float] = None) -> Tensor:
     """The terms of Eq. (7.2), log π_c + log N(x_m | μ_c, λ_c): [B,M,C]
-    ([B,M,C+1] with the background of Eq. 7.4 last); absent points moved to 0,
-    an empty example's scales to 1."""
+    ([B,M,C+1] with the background of Eq. 7.4 last); scales [B,C] or [B,C,D];
+    absent points moved to 0, an empty example's scales to 1."""
     _check_gmm_inputs(x, presence, means, scales, mixing_logits)
     present = presence.bool()
     # [B, M, D]
     x = torch.where(present[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
-    scales = torch.where(present.any(1, keepdim=True), scales,
+    scales = torch.where(_per_example(present.any(1), scales), scales,
                          torch.ones((), dtype=scales.dtype, device=scales.device))
     # log N(x_m | μ_c, λ_c), [B, M, C]
     log_density = _log_normal(x, means, scales)

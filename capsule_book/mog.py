@@ -3,7 +3,6 @@
 # %% ../nbs/05b_mog.ipynb #a7fe5c28
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -12,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .gmm import gmm_log_joint
 from .set_transformer import SetTransformer
 from .train import (RunResult, SyntheticStream, Task, UserError, fit, init_distributed,
                                 load_checkpoint)
@@ -38,17 +38,22 @@ def sample_mog(batch: int, n: int, k: int = 4, dim: int = 2, sigma: float = 0.3,
     X = mu.gather(1, idx) + sig.gather(1, idx) * torch.randn(batch, n, dim, generator=generator)
     return X, labels, (pi, mu, sig)
 
+def _mog_log_joint(X: Tensor, pi: Tensor, mu: Tensor, sigma: Tensor) -> Tensor:
+    """log π_j + log N(x_i; μ_j, diag σ_j²) [B, n, k] by Chapter 7's `gmm_log_joint`
+    (Eq. 7.1', every point present), log π floored at log 1e-30."""
+    present = torch.ones(X.shape[:2], dtype=torch.bool, device=X.device)           # [B, n]
+    # the book's log-weight floor: log max(π_j, 1e-30) ≥ −69.1, [B, k]
+    log_pi = pi.clamp_min(1e-30).log()
+    return gmm_log_joint(X, present, mu, sigma, log_pi)
+
 def mog_log_prob(X: Tensor, pi: Tensor, mu: Tensor, sigma: Tensor) -> Tensor:
     """log Σ_j π_j Π_c N(x_c; μ_jc, σ_jc²) for every point; X [B, n, D], π
     [B, k], μ and σ [B, k, D] → [B, n]."""
-    # [B, n, 1, D], [B, 1, k, D]
-    x, m, s = X.unsqueeze(2), mu.unsqueeze(1), sigma.unsqueeze(1)
-    # log N: [B, n, k]
-    log_n = (-0.5 * math.log(2 * math.pi) - s.log() - 0.5 * ((x - m) / s) ** 2).sum(-1)
-    return torch.logsumexp(log_n + pi.clamp_min(1e-30).log().unsqueeze(1), dim=-1)        # [B, n]
+    return torch.logsumexp(_mog_log_joint(X, pi, mu, sigma), dim=-1)              # [B, n]
 
 def parse_mog(raw: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    "Network output [B, k, 1+2D] → π = softmax(logits) [B, k], μ [B, k, D], σ = softplus [B, k, D]."
+    """Network output [B, k, 1+2D] → π = softmax(logits) [B, k], μ [B, k, D],
+    σ = softplus + 1e-6 [B, k, D]."""
     D = (raw.shape[-1] - 1) // 2
     if raw.shape[-1] != 1 + 2 * D:
         raise ValueError("a mixture output must have 1 + 2·D features per component, got "
@@ -213,9 +218,8 @@ def plot_mog_fits(model: nn.Module, X: Tensor,
     with torch.no_grad():
         pi, mu, sig = parse_mog(model(X.to(next(model.parameters()).device)))
     pi, mu, sig = pi.cpu(), mu.cpu(), sig.cpu()
-    x, m, s = X.unsqueeze(2), mu.unsqueeze(1), sig.unsqueeze(1)
-    resp = (-(s.log()) - 0.5 * ((x - m) / s) ** 2).sum(-1) + pi.log().unsqueeze(1)    # [B, n, k]
-    z = resp.argmax(-1)
+    # the component that explains each point best: [B, n]
+    z = _mog_log_joint(X, pi, mu, sig).argmax(-1)
     B = X.shape[0]
     nrows = (B + ncols - 1) // ncols
     fig, axes = plt.subplots(nrows, ncols, figsize=(3 * ncols, 3 * nrows), squeeze=False)

@@ -3,6 +3,8 @@
 # %% ../nbs/02_routing.ipynb #8cad0986
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor, nn
 
@@ -36,18 +38,21 @@ def agreement(v: Tensor, u_hat: Tensor) -> Tensor:
     return torch.einsum("bjm,bijm->bij", v, u_hat)
 
 # %% ../nbs/02_routing.ipynb #9a865029
-def route(u_hat: Tensor, iterations: int = 3,
-          detach_intermediate: bool = True) -> tuple[Tensor, Tensor]:
-    """Procedure 1 on predictions û [batch, in_caps, out_caps, out_d]
-    -> (v [batch, out_caps, out_d], c [batch, in_caps, out_caps])."""
+def route(u_hat: Tensor, iterations: int = 3, detach_intermediate: bool = True,
+          bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Procedure 1 on predictions û [batch, in_caps, out_caps, out_d] (plus an optional bias
+    [out_caps, out_d] in s_j) -> (v [batch, out_caps, out_d], c [batch, in_caps, out_caps])."""
     if iterations < 1:
         raise ValueError(f"routing needs at least 1 iteration, got {iterations}")
     u_hat_fixed = u_hat.detach() if detach_intermediate else u_hat  # û seen by iterations 1..r-1
+    bias_fixed = bias.detach() if (bias is not None and detach_intermediate) else bias
     b = u_hat.new_zeros(u_hat.shape[:3])                  # b_ij = 0, [batch, in_caps, out_caps]
     for r in range(iterations):
         last = r == iterations - 1
         c = coupling(b)                                   # Eq. (3)
         s = total_input(c, u_hat if last else u_hat_fixed)  # Eq. (2)
+        if bias is not None:                              # the official code's s_j + β_j
+            s = s + (bias if last else bias_fixed)
         v = squash(s)                                     # Eq. (1)
         if not last:                                      # (after the last one it cannot change v)
             b = b + agreement(v, u_hat_fixed)             # b_ij += v_j · û_{j|i}
@@ -99,7 +104,8 @@ class Router(nn.Module):
     """Routing by agreement (Procedure 1): u [batch, in_caps, in_d] -> v [batch, out_caps, out_d]
     (and c [batch, in_caps, out_caps])."""
     def __init__(self, in_caps: int, out_caps: int, in_d: int, out_d: int, iterations: int = 3,
-                 detach_intermediate: bool = True):
+                 detach_intermediate: bool = True, bias: Optional[float] = None,
+                 std: float = 0.01):
         super().__init__()
         if iterations < 1:
             raise ValueError(f"routing needs at least 1 iteration, got {iterations}")
@@ -107,7 +113,10 @@ class Router(nn.Module):
         self.iterations, self.detach_intermediate = iterations, detach_intermediate
         # W_ij, [in_caps, out_caps, in_d, out_d]
         self.weight = nn.Parameter(torch.empty(in_caps, out_caps, in_d, out_d))
-        self.reset_parameters()
+        # β_j [out_caps, out_d], added to s_j in every iteration (the official code's, from 0.1)
+        self.bias = (None if bias is None
+                     else nn.Parameter(torch.full((out_caps, out_d), float(bias))))
+        self.reset_parameters(std)
 
     def reset_parameters(self, std: float = 0.01) -> None:
         """W_ij ~ N(0, std²); small, so that the first agreements are small
@@ -125,7 +134,8 @@ class Router(nn.Module):
             # [out_caps, batch, in_caps] -> [batch, in_caps, out_caps]
             c = c_J.permute(1, 2, 0).contiguous()
         else:
-            v, c = route(predictions(u, self.weight), self.iterations, detach_intermediate=False)
+            v, c = route(predictions(u, self.weight), self.iterations, detach_intermediate=False,
+                         bias=self.bias)
         return (v, c) if return_coupling else v
 
     def _route_fused(self, u: Tensor) -> tuple[Tensor, Tensor]:
@@ -139,16 +149,17 @@ class Router(nn.Module):
             for _ in range(self.iterations - 1):
                 c = torch.softmax(b, dim=0)            # Eq. (3): over j, axis 0 in this layout
                 s = _TotalInputFused.apply(c, u_, W_, buf).transpose(0, 1)  # Eq. (2): [B, J, m]
-                v = squash(s)                          # Eq. (1)
+                v = squash(s if self.bias is None else s + self.bias)  # Eq. (1)
                 b = b + _agreement_fused(v, u_, W_, buf)  # b_ij += v_j · û_{j|i}
         c = torch.softmax(b, dim=0)                    # the last iteration, with gradient
-        v = squash(_TotalInputFused.apply(c, u, W_j, buf).transpose(0, 1))
+        s = _TotalInputFused.apply(c, u, W_j, buf).transpose(0, 1)
+        v = squash(s if self.bias is None else s + self.bias)
         return v, c                     # v [batch, out_caps, out_d], c [out_caps, batch, in_caps]
 
     def extra_repr(self) -> str:
         return (f"in_caps={self.in_caps}, out_caps={self.out_caps}, in_d={self.in_d}, "
                 f"out_d={self.out_d}, iterations={self.iterations}, "
-                f"detach_intermediate={self.detach_intermediate}")
+                f"detach_intermediate={self.detach_intermediate}, bias={self.bias is not None}")
 
 # %% ../nbs/02_routing.ipynb #0d7e5712
 def coupling_history(u_hat: Tensor, iterations: int = 3,

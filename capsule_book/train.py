@@ -111,30 +111,36 @@ class EpochStream:
         self.epoch, self.batch, self._it = state["epoch"], state["batch"], None
 
 class SyntheticStream:
-    """Fresh batches from `make(generator) -> list of batches` (a chunk); position = generator
-    state before the chunk + index."""
-    def __init__(self, make: Callable[[torch.Generator], Sequence], seed: int = 0):
-        self.make, self.g = make, torch.Generator().manual_seed(seed)
-        self.chunk, self.index, self.chunk_state = None, 0, self.g.get_state()
+    """Fresh batches from `make(generator) -> list of batches` (a chunk), or, with `indexed`,
+    `make(generator, n)` for the n-th chunk (from 0); position = generator state before the
+    chunk, its number and the index in it."""
+    def __init__(self, make: Callable[..., Sequence], seed: int = 0, indexed: bool = False):
+        self.make, self.g, self.indexed = make, torch.Generator().manual_seed(seed), indexed
+        self.chunk, self.index, self.chunk_state, self.number = None, 0, self.g.get_state(), -1
+
+    def _make(self) -> Sequence:
+        return self.make(self.g, self.number) if self.indexed else self.make(self.g)
 
     def __next__(self):
         if self.chunk is None or self.index == len(self.chunk):
-            self.chunk_state = self.g.get_state()
-            self.chunk, self.index = self.make(self.g), 0
+            self.chunk_state, self.number = self.g.get_state(), self.number + 1
+            self.chunk, self.index = self._make(), 0
         self.index += 1
         return self.chunk[self.index - 1]
 
     def state_dict(self) -> dict:
-        return {"generator": self.chunk_state.clone(),
+        return {"generator": self.chunk_state.clone(), "number": self.number,
                 "index": None if self.chunk is None else self.index}
 
     def load_state_dict(self, state: dict) -> None:
         self.chunk_state = state["generator"].clone()
         self.g.set_state(self.chunk_state)
+        # (checkpoints from before chunk numbers: only unindexed streams, which ignore it)
+        self.number = state.get("number", -1 if state["index"] is None else 0)
         if state["index"] is None: self.chunk, self.index = None, 0
         else:
             # the same chunk, made again
-            self.chunk, self.index = self.make(self.g), state["index"]
+            self.chunk, self.index = self._make(), state["index"]
 
 # %% ../nbs/92_train.ipynb #7fa52185
 @dataclass

@@ -97,8 +97,8 @@ def fetch(name: str, folder: Optional[Union[str, os.PathLike]] = None,
 
 # %% ../nbs/95_weights.ipynb #f4b2977d
 def _capsnet(config: dict) -> nn.Module:
-    from capsule_book.capsnet import CapsNet
-    return CapsNet(config["routing_iterations"])
+    from capsule_book.capsnet import capsnet_from_config
+    return capsnet_from_config(config)
 
 def _mog(config: dict) -> nn.Module:
     from capsule_book.mog import mog_model

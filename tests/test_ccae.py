@@ -350,3 +350,50 @@ def test_command_line_defaults_build_the_official_model():
     config = ccae_from_args(p.parse_args([])).config
     assert {k: config[k] for k in OFFICIAL_MODEL} == OFFICIAL_MODEL
     assert ccae_from_args(p.parse_args(["--background", "0"])).background is None
+
+
+def test_static_part_presence_is_one_learned_logit_per_capsule_part():
+    torch.manual_seed(0)
+    model = CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=16, part_presence="static")
+    with torch.no_grad():
+        model.bias[:, 7:7 + model.N] = torch.linspace(-2, 2, model.K * model.N).view(model.K, model.N)
+    b = make_constellations(6, generator=torch.Generator().manual_seed(1), drop_prob=0.0)
+    out = model.eval()(b.points, b.presence)
+    a_kn = out.vote_presence / out.object_presence[..., None]                  # [B, K, N]
+    expected = torch.sigmoid(model.bias[:, 7:7 + model.N]).expand_as(a_kn)      # the same in every example
+    torch.testing.assert_close(a_kn, expected)
+    # the decoded logits of h_part's last layer get no gradient; the dynamic model's do
+    model.train()(b.points, b.presence).loss.backward()
+    last = model.h_part[-1].weight.grad                                        # [K, d, 8N+7]
+    N = model.N
+    assert last[..., 6 * N + 7:7 * N + 7].abs().max() == 0 and last[..., :6 * N].abs().max() > 0
+    dynamic = CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=16)
+    dynamic(b.points, b.presence).loss.backward()
+    assert dynamic.h_part[-1].weight.grad[..., 6 * N + 7:7 * N + 7].abs().max() > 0
+    with pytest.raises(ValueError, match="part_presence must be 'dynamic' or 'static'"):
+        CCAE(part_presence="learned")
+
+
+def test_complete_steps_train_on_complete_constellations_first(tmp_path):
+    from capsule_book.ccae import ccae_task
+    torch.manual_seed(0)
+    model = CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=16)
+    task = ccae_task(model, batch_size=8, complete_steps=200, drop_prob=0.3)
+    batches = [next(task.stream) for _ in range(400)]
+    assert all(bool(b.presence.all()) for b in batches[:200])                 # chunks 0 and 1: complete
+    dropped = torch.stack([1 - b.presence.float().mean() for b in batches[200:]]).mean()
+    # a pattern is 4, 3 or 4 of 11 points; dropped with probability 0.3
+    assert abs(dropped.item() - 0.3) < 0.03
+    assert task.config["complete_steps"] == 200 and task.config["drop_prob"] == 0.3
+    for bad in (dict(complete_steps=150), dict(drop_prob=1.0)):
+        with pytest.raises(ValueError):
+            ccae_task(model, **bad)
+    # resumed inside the first chunk after the switch: the same weights as one run
+    def fresh():
+        torch.manual_seed(0)
+        return CCAE(dim=16, n_heads=2, n_layers=1, n_hidden=16, part_presence="static")
+    kw = dict(batch_size=8, lr=1e-3, optimizer="adam", log_every=50, progress=False, complete_steps=100)
+    a = fresh(); train_ccae(a, 130, **kw)
+    b = fresh(); train_ccae(b, 130, out=tmp_path, stop_at=110, **kw)
+    c = fresh(); train_ccae(c, 130, out=tmp_path, resume=True, **kw)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))

@@ -293,3 +293,78 @@ def test_an_empty_example_uses_none_of_its_scales():
     assert (gmm_posterior(x, presence, means, bad, logits)[1] == 0).all()
     with pytest.raises(ValueError, match=r"scales\[1, 0\] = 0"):           # without presence every scale is used
         gaussian_log_density(x, means, bad)
+
+
+def _diagonal(B=3, M=7, C=5, D=2, seed=0):
+    "Like _random, with one standard deviation per coordinate: scales [B, C, D]."
+    x, presence, means, _, logits = _random(B, M, C, D, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    return x, presence, means, 0.2 + torch.rand(B, C, D, generator=g, dtype=torch.float64) * 2, logits
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 9), st.integers(1, 6), st.integers(1, 3), st.integers(0, 10**6))
+def test_diagonal_scales_equal_mixture_same_family(B, M, C, D, seed):
+    "Eq. (7.1') in the mixture: MixtureSameFamily of Independent Normals with one σ per coordinate."
+    x, presence, means, scales, logits = _diagonal(B, M, C, D, seed)
+    mix = MixtureSameFamily(Categorical(logits=logits), Independent(Normal(means, scales), 1))
+    expected = (mix.log_prob(x.transpose(0, 1)).transpose(0, 1) * presence).sum(1)
+    torch.testing.assert_close(gmm_log_likelihood(x, presence, means, scales, logits), expected)
+    ref = Independent(Normal(means[:, None], scales[:, None]), 1).log_prob(x[:, :, None])     # [B, M, C]
+    torch.testing.assert_close(gaussian_log_density(x, means, scales), ref)
+
+
+@pytest.mark.parametrize("D", [1, 2, 3, 5])
+def test_equal_diagonal_scales_are_the_isotropic_mixture(D):
+    x, presence, means, scales, logits = _random(B=4, M=9, C=6, D=D, seed=D)
+    diag = scales[..., None].expand(-1, -1, D)
+    for bg in (None, 0.01):
+        torch.testing.assert_close(gmm_log_joint(x, presence, means, diag, logits, background=bg),
+                                   gmm_log_joint(x, presence, means, scales, logits, background=bg))
+        torch.testing.assert_close(gmm_posterior(x, presence, means, diag, logits, background=bg),
+                                   gmm_posterior(x, presence, means, scales, logits, background=bg))
+
+
+def test_isotropic_path_is_eq_7_1_written_out_bit_for_bit():
+    "The CCAE's path: the values and gradients of Eq. (7.1) as one line, exactly."
+    x, presence, means, scales, logits = (t.float() if t.is_floating_point() else t for t in _random(B=4, M=11, C=12))
+    presence[0] = False
+    leaves = [t.clone().requires_grad_() for t in (x, means, scales, logits)]
+    x_, m_, s_, l_ = leaves
+    joint = gmm_log_joint(x_, presence, m_, s_, l_)
+    x0 = torch.where(presence[..., None], x_, torch.zeros(()))
+    s0 = torch.where(presence.any(1, keepdim=True), s_, torch.ones(()))
+    sq = (x0[:, :, None, :] - m_[:, None, :, :]).pow(2).sum(-1)
+    lam = s0[:, None, :]
+    written = torch.log_softmax(l_, -1)[:, None, :] + (-0.5 * 2 * math.log(2 * math.pi) - 2 * torch.log(lam)
+                                                       - sq / (2 * lam**2))
+    assert torch.equal(joint, written)
+    for a, b in zip(torch.autograd.grad(joint.exp().sum(), leaves), torch.autograd.grad(written.exp().sum(), leaves)):
+        assert torch.equal(a, b)
+
+
+def test_diagonal_scales_shape_and_values_checked():
+    x, presence, means, scales, logits = _diagonal(B=3, M=7, C=5, D=2)
+    with pytest.raises(ValueError, match=r"scales must have shape \(3, 5\) or \(3, 5, 2\) .*got \(3, 5, 3\)$"):
+        gmm_log_likelihood(x, presence, means, torch.ones(3, 5, 3, dtype=x.dtype), logits)
+    presence[1, 0] = True
+    bad = scales.clone()
+    bad[1, 2, 1] = -1.0
+    with pytest.raises(ValueError, match=r"^scales must be positive and finite .*scales\[1, 2, 1\] = -1"):
+        gmm_log_likelihood(x, presence, means, bad, logits)
+    with pytest.raises(ValueError, match=r"scales\[1, 2, 1\] = -1"):
+        gaussian_log_density(x, means, bad)
+
+
+def test_an_empty_example_uses_none_of_its_diagonal_scales():
+    x, presence, means, scales, logits = _diagonal(B=3)
+    presence[1] = False
+    presence[0, 0] = presence[2, 0] = True
+    bad = scales.clone()
+    bad[1] = float("nan")
+    bad[1, 0, 0] = 0.0
+    bad.requires_grad_()
+    ll = gmm_log_likelihood(x, presence, means, bad, logits)
+    (g_scales,) = torch.autograd.grad(ll.sum(), bad)
+    assert ll[1] == 0 and (g_scales[1] == 0).all() and torch.isfinite(g_scales).all()
+    torch.testing.assert_close(ll, gmm_log_likelihood(x, presence, means, scales, logits), rtol=0, atol=0)

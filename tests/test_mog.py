@@ -141,3 +141,23 @@ def test_a_few_training_steps_improve_the_held_out_likelihood_and_the_plot():
     fig = plot_mog_fits(model, sets[0][:3], ncols=2)
     assert len([ax for ax in fig.axes if ax.axison]) == 3
     assert len(fig.axes[0].patches) == 4 * 2                                  # 4 components × (1σ, 2σ)
+
+
+def test_log_prob_is_chapter_7s_mixture_and_eq_5b1_written_out():
+    "mog_log_prob is logsumexp of gmm_log_joint (diagonal scales, log π floored at 1e-30), and Eq. (5b.1) in log space."
+    from capsule_book.gmm import gmm_log_joint
+    g = torch.Generator().manual_seed(6)
+    X, _, (pi, mu, sig) = sample_mog(5, 200, generator=g)
+    sig = sig * torch.rand(5, 4, 2, generator=g).add(0.5)
+    pi[:, 3] = 0.0                                                                      # a weight under the floor
+    pi = pi / pi.sum(-1, keepdim=True)
+    lp = mog_log_prob(X, pi, mu, sig)
+    assert lp.shape == (5, 200)
+    joint = gmm_log_joint(X, torch.ones(5, 200, dtype=torch.bool), mu, sig, pi.clamp_min(1e-30).log())
+    assert torch.equal(lp, torch.logsumexp(joint, -1))
+    x, m, s = X.unsqueeze(2), mu.unsqueeze(1), sig.unsqueeze(1)
+    log_n = (-0.5 * math.log(2 * math.pi) - s.log() - 0.5 * ((x - m) / s) ** 2).sum(-1)
+    written = torch.logsumexp(log_n + pi.clamp_min(1e-30).log().unsqueeze(1), -1)
+    torch.testing.assert_close(lp, written, rtol=0, atol=_round_off(written, 2 * 4 + 4))
+    with pytest.raises(ValueError, match="scales must be positive and finite"):
+        mog_log_prob(X, pi, mu, sig.neg())

@@ -38,12 +38,12 @@ ROWS = [
 ]
 
 
-def last_rows(path: Path) -> tuple[dict, dict]:
-    "The last evaluation row and the last training row of a run's metrics.jsonl."
+def last_eval(path: Path) -> dict:
+    "The last evaluation row of a run's metrics.jsonl."
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     evals = [r for r in rows if "eval_accuracy" in r]
     if not evals: raise SystemExit(f"{path} has no evaluation row: is the run finished?")
-    return evals[-1], rows[-1]
+    return evals[-1]
 
 
 def main(argv=None) -> dict:
@@ -61,7 +61,7 @@ def main(argv=None) -> dict:
                    *flags, "--out", str(folder), "--no-progress"]
         if not args.collect and not (folder / "metrics.jsonl").exists():
             subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        ev, _ = last_rows(folder / "metrics.jsonl")
+        ev = last_eval(folder / "metrics.jsonl")
         if ev["step"] != args.steps: raise SystemExit(f"{folder} stopped at step {ev['step']}, not {args.steps}")
         rows.append({"name": name, "what": what, "command": " ".join(command[:-1]), "steps": ev["step"],
                      "test_error": ev["eval_error"], "test_accuracy": ev["eval_accuracy"], "test_n": ev["eval_n"],

@@ -2,15 +2,16 @@
 
 # %% auto #0
 __all__ = ['CAPSNET_RUN_KEYS', 'PrimaryCaps', 'CapsNetOutput', 'mask_capsules', 'CapsNet', 'capsnet_loss', 'TrainConfig',
-           'capsnet_from_config', 'lr_factor', 'evaluate', 'capsnet_task', 'train_capsnet', 'load_capsnet',
-           'plot_reconstructions', 'perturb_capsule', 'plot_perturbations', 'coupling_summary', 'plot_capsnet_coupling',
-           'routing_statistics', 'summarise_routing', 'plot_routing_statistics']
+           'capsnet_from_config', 'lr_factor', 'routed_with', 'evaluate', 'capsnet_task', 'train_capsnet',
+           'load_capsnet', 'plot_reconstructions', 'perturb_capsule', 'plot_perturbations', 'coupling_summary',
+           'plot_capsnet_coupling', 'routing_statistics', 'summarise_routing', 'plot_routing_statistics']
 
 # %% ../nbs/04_capsnet.ipynb #5f38e83e
 import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from contextlib import contextmanager
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -189,23 +190,32 @@ def lr_factor(step: int, decay_rate: float = 0.96, decay_steps: int = 2000,
     return max(decay_rate ** (step / decay_steps), floor)
 
 # %% ../nbs/04_capsnet.ipynb #e0b3bf85
+@contextmanager
+def routed_with(model: CapsNet, iterations: Optional[int]):
+    "Route `model` with `iterations` inside the block (None: as trained); restored on the way out."
+    trained = model.digit_caps.iterations
+    model.digit_caps.iterations = iterations or trained
+    try:
+        yield model
+    finally:
+        model.digit_caps.iterations = trained
+
 @torch.no_grad()
 def evaluate(model: CapsNet, batches: MNISTBatches, world: int = 1,
              iterations: Optional[int] = None) -> dict:
     """Test accuracy, error and mean margin loss of `model` (masking by prediction)
     over `batches`, summed over ranks; routed with `iterations` if given (else as trained)."""
-    was_training, trained = model.training, model.digit_caps.iterations
+    was_training = model.training
     model.eval()
-    model.digit_caps.iterations = iterations or trained
     margin = MarginLoss(model.n_classes)
     sums = torch.zeros(3, dtype=torch.float64, device=batches.device)     # [loss * n, correct, n]
-    for x, y in batches:
-        out = model(x)
-        sums += torch.stack([margin(out.caps, y).double() * len(y),
-                             (out.predictions == y).sum().double(),
-                             torch.tensor(float(len(y)), dtype=torch.float64, device=sums.device)])
+    with routed_with(model, iterations):
+        for x, y in batches:
+            out = model(x)
+            sums += torch.stack([margin(out.caps, y).double() * len(y),
+                                 (out.predictions == y).sum().double(),
+                                 torch.tensor(float(len(y)), dtype=torch.float64, device=sums.device)])
     model.train(was_training)
-    model.digit_caps.iterations = trained
     loss_n, correct, n = all_sum(sums, world).tolist()
     return {"accuracy": correct / n, "error": 1 - correct / n, "loss": loss_n / n, "n": int(n)}
 
@@ -375,35 +385,31 @@ def routing_statistics(model: CapsNet, images: Tensor, labels: Tensor,
     """Per test digit [N] and primary capsule [1152]: couplings after 1..r iterations (r: the
     model's, or `iterations`), summarised; see the chapter."""
     model.eval()
-    trained = model.digit_caps.iterations
-    r = iterations or trained
+    r = iterations or model.digit_caps.iterations
     keys = ("max_c", "entropy", "change", "last_step", "to_true", "to_other", "weight")
     out = {k: [] for k in keys}
-    try:
-        for s in range(0, len(images), batch_size):
-            x, y = images[s:s + batch_size], labels[s:s + batch_size]
-            u = model.primary_caps(F.relu(model.conv1(x)))               # u_i: [B, 1152, 8]
-            cs = []
-            # c^(t): routing stopped after t iterations
-            for t in range(1, r + 1):
-                model.digit_caps.iterations = t
+    for s in range(0, len(images), batch_size):
+        x, y = images[s:s + batch_size], labels[s:s + batch_size]
+        u = model.primary_caps(F.relu(model.conv1(x)))               # u_i: [B, 1152, 8]
+        cs = []
+        # c^(t): routing stopped after t iterations
+        for t in range(1, r + 1):
+            with routed_with(model, t):
                 cs.append(model.digit_caps(u, return_coupling=True)[1])   # [B, 1152, 10]
-            c = cs[-1]
-            J = c.shape[-1]
-            # c_{i,y}: [B, 1152]
-            true = c.gather(2, y[:, None, None].expand(-1, c.shape[1], 1))[..., 0]
-            out["max_c"].append(c.max(-1).values)
-            out["entropy"].append(-(c * c.clamp_min(1e-30).log()).sum(-1))
-            # total variation from c^(1)
-            out["change"].append((c - cs[0]).abs().sum(-1) / 2)
-            out["last_step"].append((c - cs[-2]).abs().sum(-1) / 2 if r > 1
-                                    else torch.zeros_like(true))
-            out["to_true"].append(true)
-            # the mean of the other nine
-            out["to_other"].append((1 - true) / (J - 1))
-            out["weight"].append(u.norm(dim=-1))                           # ‖u_i‖
-    finally:
-        model.digit_caps.iterations = trained
+        c = cs[-1]
+        J = c.shape[-1]
+        # c_{i,y}: [B, 1152]
+        true = c.gather(2, y[:, None, None].expand(-1, c.shape[1], 1))[..., 0]
+        out["max_c"].append(c.max(-1).values)
+        out["entropy"].append(-(c * c.clamp_min(1e-30).log()).sum(-1))
+        # total variation from c^(1)
+        out["change"].append((c - cs[0]).abs().sum(-1) / 2)
+        out["last_step"].append((c - cs[-2]).abs().sum(-1) / 2 if r > 1
+                                else torch.zeros_like(true))
+        out["to_true"].append(true)
+        # the mean of the other nine
+        out["to_other"].append((1 - true) / (J - 1))
+        out["weight"].append(u.norm(dim=-1))                           # ‖u_i‖
     res = {k: torch.cat(v) for k, v in out.items()}
     res["label"] = labels
     return res

@@ -87,3 +87,17 @@ def test_a_few_steps_on_a_fixed_batch_lower_the_loss():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_routed_with_sets_the_iterations_and_restores_them_even_on_error():
+    from capsule_book.capsnet import routed_with
+    m = CapsNet(routing_iterations=3)
+    u = torch.randn(2, 1152, 8)
+    with routed_with(m, 1):
+        c1 = m.digit_caps(u, return_coupling=True)[1]
+    assert m.digit_caps.iterations == 3
+    assert torch.allclose(c1, torch.full_like(c1, 0.1))          # one iteration: uniform coupling
+    with pytest.raises(RuntimeError):
+        with routed_with(m, 2):
+            raise RuntimeError("inside")
+    assert m.digit_caps.iterations == 3

@@ -18,24 +18,42 @@ from .segmentation import segmentation_accuracy, segmentation_report
 from .gmm import (check_background, gmm_log_joint, gmm_log_likelihood,
                               gmm_log_likelihood_from_joint, gmm_posterior_from_joint)
 from .set_transformer import SAB, Multihead, SetTransformer, _check_mask, _check_set
-from .train import RunResult, SyntheticStream, Task, UserError, fit, load_checkpoint
+from .train import (RunResult, SyntheticStream, Task, UserError, fit, load_checkpoint,
+                                trained_weights)
 
 # %% auto #0
-__all__ = ['OFFICIAL_WEIGHTS', 'OFFICIAL_MODEL', 'OFFICIAL_TEMPLATE_INIT', 'OfficialCapsuleEncoder', 'capsule_encoder',
-           'BatchLinear', 'BatchMLP', 'geometric_transform', 'CapsuleVotes', 'capsule_votes', 'vote_mixture',
-           'ccae_losses', 'ccae_loss', 'CCAEOutput', 'CCAE', 'evaluate_ccae', 'ccae_task', 'train_ccae', 'load_ccae',
-           'plot_ccae', 'plot_ccae_history']
+__all__ = ['OFFICIAL_WEIGHTS', 'OFFICIAL_MODEL', 'OFFICIAL_TEMPLATE_INIT', 'competitive_attention', 'OfficialCapsuleEncoder',
+           'capsule_encoder', 'BatchLinear', 'BatchMLP', 'geometric_transform', 'CapsuleVotes', 'capsule_votes',
+           'vote_mixture', 'ccae_losses', 'ccae_loss', 'CCAEOutput', 'CCAE', 'evaluate_ccae', 'ccae_task', 'train_ccae',
+           'load_ccae', 'plot_ccae', 'plot_ccae_history']
 
 # %% ../nbs/08_ccae.ipynb #a4b228bb
+def competitive_attention(Q: Tensor, K: Tensor, V: Tensor, mask: Optional[Tensor] = None,
+                          eps: float = 1e-8) -> Tensor:
+    """Eq. (8.1): each present point shared out among the n queries (softmax over the queries),
+    then each query's weighted mean of the values. Q [..., n, d], K [..., m, d], V [..., m, d_v],
+    mask [..., m] (True = present) → [..., n, d_v]."""
+    scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])      # [..., n, m]
+    # r_km: each point's shares, summing to 1 over the queries
+    r = scores.softmax(dim=-2)
+    if mask is not None:
+        r = r * mask.unsqueeze(-2).to(r.dtype)                     # absent points: no share
+    # each query's weights over the points, summing to 1 (0 for a query given nothing)
+    return (r / (r.sum(-1, keepdim=True) + eps)) @ V               # [..., n, d_v]
+
 class OfficialCapsuleEncoder(nn.Module):
     """The official h^caps: Linear(2→dim), SABs, Linear(dim→dim_out), K learned queries read the
-    points by one multi-head attention; [B,M,2] → [B,K,dim_out]."""
+    points by one multi-head attention (`readout="attention"`) or by Eq. (8.1)
+    (`"competitive"`); [B,M,2] → [B,K,dim_out]."""
     def __init__(self, n_outputs: int, dim_out: int, dim: int = 128, n_heads: int = 4,
-                 n_layers: int = 4, dim_in: int = 2):
+                 n_layers: int = 4, dim_in: int = 2, readout: str = "attention"):
         super().__init__()
         if dim % n_heads or dim_out % n_heads:
             raise ValueError(f"dim and dim_out must be multiples of n_heads, got dim={dim}, "
                              f"dim_out={dim_out}, n_heads={n_heads}")
+        if readout not in ("attention", "competitive"):
+            raise ValueError(f"readout must be 'attention' or 'competitive', got {readout!r}")
+        self.readout_kind = readout
         self.embed = nn.Linear(dim_in, dim)                                           # x W_in
         self.sabs = nn.ModuleList([SAB(dim, dim, n_heads) for _ in range(n_layers)])
         self.z = nn.Linear(dim, dim_out)                                              # Z W
@@ -53,21 +71,30 @@ class OfficialCapsuleEncoder(nn.Module):
             h = sab(h, mask)                                                          # [B, M, dim]
         # [B, M, dim_out]
         z = self.z(h)
+        Q = self.queries.expand(X.shape[0], -1, -1)
+        if self.readout_kind == "attention":
+            # [B, K, dim_out]
+            return self.readout(Q, z, z, mask)
+        # Eq. (8.1) per head, [B, h, K, dim_out/h]: the same projections, shares over capsules
+        Qh, Kh, Vh = self.readout.heads(Q, z, z)
+        O = competitive_attention(Qh, Kh, Vh, None if mask is None else mask[:, None, :])
         # [B, K, dim_out]
-        return self.readout(self.queries.expand(X.shape[0], -1, -1), z, z, mask)
+        return self.readout.W_O(O.transpose(1, 2).flatten(-2))
 
 # %% ../nbs/08_ccae.ipynb #e2a250ef
 def capsule_encoder(kind: str, n_objects: int, dim_special: int, dim: int = 128, n_heads: int = 4,
-                    n_layers: int = 4) -> nn.Module:
+                    n_layers: int = 4, readout: str = "attention") -> nn.Module:
     """h^caps of Eq. (1), points [B, M, 2] -> c [B, K, dim_special]:
-    'set_transformer' (Chapter 5) or 'official'."""
+    'set_transformer' (Chapter 5) or 'official' (its `readout`: 'attention' or 'competitive')."""
+    if readout != "attention" and kind != "official":
+        raise ValueError(f"readout={readout!r} needs encoder='official', got encoder={kind!r}")
     if kind == "set_transformer":                       # rFF(SAB(PMA_K(Z))), Chapter 5
         return SetTransformer(2, dim_special, n_objects, dim=dim, n_heads=n_heads,
                               n_layers=n_layers)
     # Multihead(Q, ZW, ZW), the official constellation encoder
     if kind == "official":
         return OfficialCapsuleEncoder(n_objects, dim_special, dim=dim, n_heads=n_heads,
-                                      n_layers=n_layers)
+                                      n_layers=n_layers, readout=readout)
     raise ValueError(f"encoder must be 'set_transformer' or 'official', got {kind!r}")
 
 # %% ../nbs/08_ccae.ipynb #47e908b9
@@ -127,15 +154,20 @@ class CapsuleVotes(NamedTuple):
     op_dynamic: Tensor   # [B, K, N, 6], the input-dependent part of OP_k,n's parameters
 
 def capsule_votes(raw: Tensor, bias: Tensor, op_static: Tensor, similarity: bool = True,
-                  noise_scale: float = 0.0, static_parts: bool = False) -> CapsuleVotes:
+                  noise_scale: float = 0.0, static_parts: bool = False,
+                  part_noise: bool = True, deformations: bool = True) -> CapsuleVotes:
     """h^part's output raw [B, K, 8N+7], the bias [K, 2N+7] of its last 2N+7 and the static
-    OP params [K, N, 6] -> Eq. (3); `static_parts`: ℓ_k,n from the bias alone."""
+    OP params [K, N, 6] -> Eq. (3); `static_parts`: ℓ_k,n from the bias alone; `part_noise`:
+    the training noise on ℓ_k,n too (official), not on ℓ_k alone; `deformations=False`: OP_k,n
+    static (rigid templates, the official flag of that name)."""
     K, N = op_static.shape[:2]
     if raw.dim() != 3 or raw.shape[1:] != (K, 8 * N + 7) or bias.shape != (K, 2 * N + 7):
         raise ValueError(f"expected raw [B, {K}, {8 * N + 7}] and bias [{K}, {2 * N + 7}], got "
                          f"{tuple(raw.shape)} and {tuple(bias.shape)}")
     B = raw.shape[0]
     op_dynamic = raw[..., :6 * N].reshape(B, K, N, 6)                             # [B, K, N, 6]
+    if not deformations:
+        op_dynamic = torch.zeros_like(op_dynamic)
     ov_params, l_k, l_kn, scale_params = (raw[..., 6 * N:] + bias).split([6, 1, N, N], -1)
     if static_parts:
         # one learned logit per capsule part, the same in every example: [B, K, N]
@@ -143,7 +175,8 @@ def capsule_votes(raw: Tensor, bias: Tensor, op_static: Tensor, similarity: bool
     # presence-logit noise (training)
     if noise_scale > 0:
         l_k = l_k + (torch.rand_like(l_k) - 0.5) * noise_scale                   # [B, K, 1]
-        l_kn = l_kn + (torch.rand_like(l_kn) - 0.5) * noise_scale                # [B, K, N]
+        if part_noise:
+            l_kn = l_kn + (torch.rand_like(l_kn) - 0.5) * noise_scale            # [B, K, N]
     # OV_k: [B, K, 3, 3]
     OV = geometric_transform(ov_params, similarity)
     # OP_k,n: [B, K, N, 3, 3]
@@ -249,7 +282,7 @@ def _with_empty_examples(out: Optional[CCAEOutput], keep: Tensor, points: Tensor
                       full("vote_presence", (B, K, N)), full("object_presence", (B, K)),
                       full("posterior", (B, M, K * N)))
 
-# %% ../nbs/08_ccae.ipynb #8bd79033
+# %% ../nbs/08_ccae.ipynb #1adb6cb1
 class CCAE(nn.Module):
     """Constellation Capsule Autoencoder (Kosiorek et al. 2019, Sec. 2.1): points
     [B,M,2], presence [B,M] -> CCAEOutput."""
@@ -257,7 +290,8 @@ class CCAE(nn.Module):
                  n_heads: int = 4, n_layers: int = 4, n_hidden: int = 128, similarity: bool = True,
                  noise_scale: float = 4.0, n_classes: int = 2, weights: Optional[dict] = None,
                  encoder: str = "set_transformer", background: Optional[float] = None,
-                 template_init: float = OFFICIAL_TEMPLATE_INIT, part_presence: str = "dynamic"):
+                 template_init: float = OFFICIAL_TEMPLATE_INIT, part_presence: str = "dynamic",
+                 part_noise: bool = True, deformations: bool = True, readout: str = "attention"):
         super().__init__()
         if part_presence not in ("dynamic", "static"):
             raise ValueError(f"part_presence must be 'dynamic' or 'static', got {part_presence!r}")
@@ -266,11 +300,16 @@ class CCAE(nn.Module):
                            n_heads=n_heads, n_layers=n_layers, n_hidden=n_hidden,
                            similarity=similarity, noise_scale=noise_scale, n_classes=n_classes,
                            weights=weights, encoder=encoder, background=background,
-                           template_init=template_init, part_presence=part_presence)
+                           template_init=template_init, part_presence=part_presence,
+                           part_noise=part_noise, deformations=deformations, readout=readout)
         self.K, self.N, self.similarity, self.noise_scale, self.n_classes = (
             K, N, similarity, noise_scale, n_classes)
         # static: a_k,n = σ(ℓ_k,n) learned per capsule part, not decoded from c_k
         self.static_parts = part_presence == "static"
+        # False: the training noise on the object presence logits only
+        self.part_noise = bool(part_noise)
+        # False: rigid templates, OP_k,n = T(static_k,n) in every example
+        self.deformations = bool(deformations)
         self.weights = {**OFFICIAL_WEIGHTS, **(weights or {})}
         unknown = set(self.weights) - set(OFFICIAL_WEIGHTS)
         if unknown:
@@ -279,7 +318,7 @@ class CCAE(nn.Module):
         # Eq. (7.4): the official dummy vote, or None
         self.background = check_background(background)
         # h^caps, Eq. (1)
-        self.encoder = capsule_encoder(encoder, K, dim_special, dim, n_heads, n_layers)
+        self.encoder = capsule_encoder(encoder, K, dim_special, dim, n_heads, n_layers, readout)
         # dynamic OP params, OV params, ℓ_k, ℓ_k,n, scale params
         self.splits = [6 * N, 6, 1, N, N]
         # Eq. (2)
@@ -292,33 +331,42 @@ class CCAE(nn.Module):
         # learned static OP_k,n params, uniform in ±template_init (official: OFFICIAL_TEMPLATE_INIT)
         self.op_static = nn.Parameter(torch.empty(K, N, 6).uniform_(-template_init, template_init))
 
-    def forward(self, points: Tensor, presence: Tensor) -> CCAEOutput:
-        """points [B, M, 2], presence [B, M] (True = present) ->
-        CCAEOutput; empty examples get zeros."""
-        if points.dim() != 3 or points.shape[-1] != 2 or presence.shape != points.shape[:2]:
-            raise ValueError("expected points [B, M, 2] and presence [B, M], got "
-                             f"{tuple(points.shape)} and {tuple(presence.shape)}")
-        present = presence.bool()
-        # examples with at least one point
-        keep = present.any(1)
-        if keep.all():
-            return self._forward(points, present)
-        out = self._forward(points[keep], present[keep]) if keep.any() else None
-        return _with_empty_examples(out, keep, points, self.K, self.N)
 
-    def _forward(self, x: Tensor, present: Tensor) -> CCAEOutput:
-        # c_k, Eq. (1): [B, K, d]
-        c = self.encoder(x, present)
-        # presence noise: training only
-        noise = self.noise_scale if self.training else 0.0
-        # Eqs. (2)-(3)
-        votes = capsule_votes(self.h_part(c), self.bias, self.op_static, self.similarity, noise,
-                              self.static_parts)
-        # Eq. (5), (7.3)
-        ll, post, assignment = vote_mixture(x, present, votes, self.background)
-        losses = ccae_losses(votes, ll, post, assignment, present, self.n_classes)
-        return CCAEOutput(ll, ccae_loss(losses, self.weights), losses, assignment, votes.mu,
-                          votes.lam, votes.log_a.exp(), torch.sigmoid(votes.l_k[..., 0]), post)
+# %% ../nbs/08_ccae.ipynb #e5b43ec3
+def _ccae_forward(self: CCAE, points: Tensor, presence: Tensor) -> CCAEOutput:
+    """points [B, M, 2], presence [B, M] (True = present) ->
+    CCAEOutput; empty examples get zeros."""
+    if points.dim() != 3 or points.shape[-1] != 2 or presence.shape != points.shape[:2]:
+        raise ValueError("expected points [B, M, 2] and presence [B, M], got "
+                         f"{tuple(points.shape)} and {tuple(presence.shape)}")
+    present = presence.bool()
+    # examples with at least one point
+    keep = present.any(1)
+    if keep.all():
+        return self._forward(points, present)
+    out = self._forward(points[keep], present[keep]) if keep.any() else None
+    return _with_empty_examples(out, keep, points, self.K, self.N)
+
+CCAE.forward = _ccae_forward
+
+
+# %% ../nbs/08_ccae.ipynb #371be319
+def _ccae_forward_kept(self: CCAE, x: Tensor, present: Tensor) -> CCAEOutput:
+    # c_k, Eq. (1): [B, K, d]
+    c = self.encoder(x, present)
+    # presence noise: training only
+    noise = self.noise_scale if self.training else 0.0
+    # Eqs. (2)-(3)
+    votes = capsule_votes(self.h_part(c), self.bias, self.op_static, self.similarity, noise,
+                          self.static_parts, self.part_noise, self.deformations)
+    # Eq. (5), (7.3)
+    ll, post, assignment = vote_mixture(x, present, votes, self.background)
+    losses = ccae_losses(votes, ll, post, assignment, present, self.n_classes)
+    return CCAEOutput(ll, ccae_loss(losses, self.weights), losses, assignment, votes.mu,
+                      votes.lam, votes.log_a.exp(), torch.sigmoid(votes.l_k[..., 0]), post)
+
+CCAE._forward = _ccae_forward_kept
+
 
 # %% ../nbs/08_ccae.ipynb #d6eedb22
 @torch.no_grad()
@@ -345,10 +393,11 @@ def evaluate_ccae(model: CCAE, n: int = 10_000, batch_size: int = 32, seed: int 
 def ccae_task(model: CCAE, batch_size: int = 32, lr: float = 1e-4, seed: int = 0,
               optimizer: str = "rmsprop", lr_decay: float = 1.0, decay_steps: int = 10_000,
               eval_n: int = 2000, resume_command: str = "", drop_prob: float = 0.5,
-              complete_steps: int = 0) -> Task:
+              complete_steps: int = 0, average: float = 0.0) -> Task:
     """The engine's task for a CCAE on fresh constellations (each pattern dropped with
     `drop_prob`, none in the first `complete_steps`): RMSProp (official) or Adam, η(s)
-    = lr·lr_decay^(s/decay_steps)."""
+    = lr·lr_decay^(s/decay_steps); `average` > 0: evaluate and end with a moving average of the
+    weights (Task.average)."""
     if not 0 <= drop_prob < 1:
         raise ValueError(f"drop_prob must lie in [0, 1), got {drop_prob}")
     if complete_steps < 0 or complete_steps % 100:
@@ -382,12 +431,12 @@ def ccae_task(model: CCAE, batch_size: int = 32, lr: float = 1e-4, seed: int = 0
 
     config = dict(model=model.config, batch_size=batch_size, lr=lr, optimizer=optimizer,
                   lr_decay=lr_decay, decay_steps=decay_steps, seed=seed, drop_prob=drop_prob,
-                  complete_steps=complete_steps)
+                  complete_steps=complete_steps, average=average)
     return Task("ccae", config, model, opt, SyntheticStream(chunk, seed, indexed=True), loss,
                 lambda s: lr * lr_decay ** (s / decay_steps),
                 evaluate=lambda m: {k: v for k, v in evaluate_ccae(m, eval_n, batch_size).items()
                                     if k != "n"},
-                resume_command=resume_command or "train_ccae(..., resume=True)")
+                resume_command=resume_command or "train_ccae(..., resume=True)", average=average)
 
 # %% ../nbs/08_ccae.ipynb #810ee02e
 def train_ccae(model: CCAE, steps: int, batch_size: int = 32, lr: float = 1e-4, seed: int = 0,
@@ -397,11 +446,11 @@ def train_ccae(model: CCAE, steps: int, batch_size: int = 32, lr: float = 1e-4, 
                eval_every: int = 0, eval_n: int = 2000, progress: bool = True,
                lr_decay: float = 1.0, decay_steps: int = 10_000, stop_at: Optional[int] = None,
                resume_command: str = "", drop_prob: float = 0.5,
-               complete_steps: int = 0) -> RunResult:
+               complete_steps: int = 0, average: float = 0.0) -> RunResult:
     """Train `model` on fresh constellations for `steps` steps in all through
     the engine (in `out`, resumable)."""
     task = ccae_task(model, batch_size, lr, seed, optimizer, lr_decay, decay_steps, eval_n,
-                     resume_command, drop_prob, complete_steps)
+                     resume_command, drop_prob, complete_steps, average)
     return fit(task, steps, out=out, resume=resume, max_minutes=max_minutes,
                checkpoint_every=checkpoint_every, checkpoint_minutes=checkpoint_minutes,
                log_every=log_every, eval_every=eval_every, progress=progress, stop_at=stop_at)
@@ -415,7 +464,8 @@ def load_ccae(path: Union[str, os.PathLike],
     if ck.get("task") != "ccae":
         raise UserError(f"{path} holds a {ck.get('task', 'unknown')} checkpoint, not a CCAE one")
     model = CCAE(**ck["config"]["model"]).to(device)
-    model.load_state_dict(ck["model"])
+    # the moving average of the weights where the run kept one
+    model.load_state_dict(trained_weights(ck))
     return model.eval(), ck
 
 # %% ../nbs/08_ccae.ipynb #79a2e57d

@@ -300,6 +300,9 @@ def ccae_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoder", choices=["official", "set_transformer"], default="official",
                    help="official: SABs read out by one attention (default); set_transformer: "
                         "Chapter 5's PMA + SAB")
+    p.add_argument("--readout", choices=["attention", "competitive"], default="attention",
+                   help="how the official encoder's capsules read the points: attention (official) "
+                        "or competitive (each point shared out among the capsules)")
     p.add_argument("--dim-special", type=positive, default=32,
                    help="capsule feature width (official 32)")
     p.add_argument("--background", type=float, default=0.01,
@@ -310,14 +313,24 @@ def ccae_train_arguments(p: argparse.ArgumentParser) -> None:
                         "(official 0.45)")
     p.add_argument("--posterior-sparsity", type=float, default=0.0,
                    help="weight of both posterior sparsity losses (official constellation run: 0)")
+    p.add_argument("--prior-sparsity", type=float, default=1.0,
+                   help="weight of both prior sparsity losses (official 1; 0 = none)")
     p.add_argument("--part-presence", choices=["dynamic", "static"], default="dynamic",
                    help="dynamic: a_k,n decoded from each capsule (official); static: one learned "
                         "logit per capsule part")
+    p.add_argument("--no-part-noise", dest="part_noise", action="store_false",
+                   help="training noise on the object presence logits only, not on the part "
+                        "presence logits (official: both)")
+    p.add_argument("--no-deformations", dest="deformations", action="store_false",
+                   help="rigid templates: no input-dependent part poses (official: deformations)")
     p.add_argument("--drop-prob", type=float, default=0.5,
                    help="probability that a pattern is left out of a training constellation "
                         "(official 0.5)")
     p.add_argument("--complete-steps", type=int, default=0,
                    help="train the first N steps (a multiple of 100) on complete constellations")
+    p.add_argument("--average", type=float, default=0.0,
+                   help="evaluate and end with a moving average of the weights, decay D per step "
+                        "(official: none, 0)")
     p.add_argument("--eval-n", type=positive, default=2000,
                    help="fresh constellations per evaluation (default 2000)")
     run_arguments(p, "runs/ccae", 300_000, eval_every=10_000)
@@ -328,18 +341,21 @@ def ccae_from_args(args: argparse.Namespace):
     from capsule_book.ccae import CCAE
     if args.background < 0: raise ValueError(f"--background must be >= 0, got {args.background}")
     weights = dict(posterior_within=args.posterior_sparsity,
-                   posterior_between=args.posterior_sparsity)
+                   posterior_between=args.posterior_sparsity,
+                   prior_within=args.prior_sparsity, prior_between=args.prior_sparsity)
     return CCAE(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
                 dim_special=args.dim_special, encoder=args.encoder,
                 background=args.background or None, weights=weights,
-                template_init=args.template_init, part_presence=args.part_presence)
+                template_init=args.template_init, part_presence=args.part_presence,
+                part_noise=args.part_noise, deformations=args.deformations,
+                readout=args.readout)
 
 def ccae_train_settings(args: argparse.Namespace) -> dict:
     """`train_ccae`'s keywords from the `train ccae` arguments
     (shared by the command line and benchmarks/ccae.py)."""
     return dict(batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer, seed=args.seed,
                 eval_every=args.eval_every, eval_n=args.eval_n, lr_decay=args.lr_decay,
-                drop_prob=args.drop_prob, complete_steps=args.complete_steps,
+                drop_prob=args.drop_prob, complete_steps=args.complete_steps, average=args.average,
                 resume_command=resume_command(args), **run_settings(args))
 
 @register("train", "ccae", ccae_train_arguments,
@@ -351,6 +367,8 @@ def train_ccae_command(args: argparse.Namespace) -> int:
     from capsule_book.utils import pick_device
     torch_device = pick_device(args.device)
     import torch
+    # as benchmarks/ccae.py: subnormal floats flushed to zero on a CPU (faster, and the same run)
+    if torch_device.type == "cpu": torch.set_flush_denormal(True)
     torch.manual_seed(args.seed)
     model = ccae_from_args(args).to(torch_device)
     result = train_ccae(model, args.steps, **ccae_train_settings(args))

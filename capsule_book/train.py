@@ -20,9 +20,9 @@ from torch import Tensor, nn
 from .utils import pick_device
 
 # %% auto #0
-__all__ = ['UserError', 'CheckpointError', 'MissingCheckpoint', 'save_checkpoint', 'load_checkpoint', 'rng_state',
-           'set_rng_state', 'Stream', 'EpochStream', 'SyntheticStream', 'Task', 'RunResult', 'init_distributed',
-           'all_sum', 'open_run', 'fit']
+__all__ = ['UserError', 'CheckpointError', 'MissingCheckpoint', 'save_checkpoint', 'load_checkpoint', 'trained_weights',
+           'rng_state', 'set_rng_state', 'Stream', 'EpochStream', 'SyntheticStream', 'Task', 'RunResult',
+           'init_distributed', 'all_sum', 'open_run', 'fit']
 
 # %% ../nbs/92_train.ipynb #7c69be35
 class UserError(Exception):
@@ -60,6 +60,12 @@ def load_checkpoint(path: Union[str, os.PathLike],
     if not isinstance(ck, dict) or "model" not in ck:
         raise CheckpointError(f"{path} is not a capsule_book checkpoint (no model state in it)")
     return ck
+
+def trained_weights(ck: dict) -> dict:
+    """A checkpoint's trained model weights: the moving average of the weights where the run
+    kept one (`Task.average`), else the weights themselves."""
+    return {**ck["model"], **ck.get("average", {})}
+
 
 # %% ../nbs/92_train.ipynb #e600b9e1
 def rng_state() -> dict:
@@ -157,6 +163,9 @@ class Task:
     evaluate: Optional[Callable[[nn.Module], dict]] = None
     resume_command: str = "the same call with resume=True"
     ddp: bool = False                   # may run under torchrun with DistributedDataParallel
+    # > 0: keep an exponential moving average of the weights, w̄ ← d·w̄ + (1 − d)·w after every
+    # step; evaluations read it, and the run's model ends with it (0: none)
+    average: float = 0.0
 
 class RunResult(NamedTuple):
     """The trained model, every metrics row of the run (all sessions), the step reached,
@@ -257,6 +266,7 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
     if max_minutes is not None and not max_minutes > 0:
         raise UserError(f"max_minutes must be positive, got {max_minutes}")
     if world > 1 and not task.ddp: raise UserError(f"{task.name} does not train under torchrun")
+    if not 0 <= task.average < 1: raise UserError(f"average must lie in [0, 1), got {task.average}")
     device = next(task.model.parameters()).device
     model, opt = task.model, task.optimizer
     ck, history = open_run(task, out, resume, device) if rank == 0 or out is None else (None, [])
@@ -264,8 +274,12 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
     if world > 1 and out is not None:
         box = [ck, history]; dist.broadcast_object_list(box, src=0); ck, history = box
     step, elapsed, running, n_running = 0, 0.0, {}, 0
+    # the moving average of the weights, {name: tensor}, starting at the initial weights
+    average = ({k: v.detach().clone() for k, v in model.state_dict().items()
+                if v.is_floating_point()} if task.average else None)
     if ck is not None:
         model.load_state_dict(ck["model"]); opt.load_state_dict(ck["optimizer"])
+        if average is not None: average = {k: v.to(device) for k, v in ck["average"].items()}
         task.stream.load_state_dict(ck["stream"]); set_rng_state(ck["rng"])
         step, elapsed, running, n_running = (ck["step"], ck["elapsed"], ck["running"],
                                              ck["n_running"])
@@ -279,7 +293,16 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
         save_checkpoint({"task": task.name, "config": task.config, "step": step,
                          "model": model.state_dict(), "optimizer": opt.state_dict(),
                          "stream": task.stream.state_dict(), "rng": rng_state(), "elapsed": elapsed,
-                         "running": running, "n_running": n_running}, run / "last.pt")
+                         "running": running, "n_running": n_running,
+                         **({"average": average} if average is not None else {})}, run / "last.pt")
+
+    def averaged(f: Callable[[], Any]) -> Any:
+        "f() with the averaged weights in the model, the trained ones put back after."
+        if average is None: return f()
+        live = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(average, strict=False)
+        try: return f()
+        finally: model.load_state_dict(live)
 
     def log(row: dict):
         history.append(row)
@@ -315,6 +338,11 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if average is not None:
+            with torch.no_grad():
+                state = model.state_dict()
+                for k, v in average.items():
+                    v.mul_(task.average).add_(state[k], alpha=1 - task.average)
         step += 1
         for k, v in {"loss": loss.detach(), **numbers}.items():
             running[k] = running.get(k, 0.0) + float(v)
@@ -328,7 +356,8 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
                    "elapsed_s": round(elapsed, 2)}
             if eval_due(step):
                 t0 = time.time()
-                last_eval = {f"eval_{k}": v for k, v in task.evaluate(model).items()}
+                scores = averaged(lambda: task.evaluate(model))
+                last_eval = {f"eval_{k}": v for k, v in scores.items()}
                 model.train()
                 cost["eval"] = time.time() - t0
                 row.update(last_eval)
@@ -344,4 +373,6 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
     if stopped and rank == 0:
         print(f"stopped at step {step} of {steps}; continue with `{task.resume_command}`",
               flush=True)
+    # a finished run's model is its average
+    if average is not None and step >= steps: model.load_state_dict(average, strict=False)
     return RunResult(model, history, step, step >= steps)

@@ -16,7 +16,7 @@ from torch import nn
 
 from . import __version__
 from .data import data_root
-from .train import CheckpointError, UserError, load_checkpoint
+from .train import CheckpointError, UserError, load_checkpoint, trained_weights
 
 # %% auto #0
 __all__ = ['REPOSITORY', 'RAW', 'BUILDERS', 'checkout_weights', 'cache_weights', 'sha256', 'manifest', 'entry', 'fetch', 'load',
@@ -130,7 +130,8 @@ def ship(checkpoint: Union[str, os.PathLike], name: str, command: str, metric: d
         raise ValueError(f"dtype must be float16 or float32, got {dtype!r}")
     ck = load_checkpoint(checkpoint)
     cast = torch.float16 if dtype == "float16" else torch.float32
-    state = {k: v.to(cast) if v.is_floating_point() else v for k, v in ck["model"].items()}
+    # the moving average of the weights where the run kept one
+    state = {k: v.to(cast) if v.is_floating_point() else v for k, v in trained_weights(ck).items()}
     folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.pt"
     torch.save(state, path)

@@ -397,3 +397,87 @@ def test_complete_steps_train_on_complete_constellations_first(tmp_path):
     b = fresh(); train_ccae(b, 130, out=tmp_path, stop_at=110, **kw)
     c = fresh(); train_ccae(c, 130, out=tmp_path, resume=True, **kw)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
+
+
+def test_competitive_readout_shares_each_point_among_the_capsules():
+    from capsule_book.ccae import OfficialCapsuleEncoder, competitive_attention
+    torch.manual_seed(0)
+    Q, K, V = torch.randn(2, 3, 4), torch.randn(2, 7, 4), torch.randn(2, 7, 5)
+    mask = torch.tensor([[1, 1, 0, 1, 0, 1, 1], [0, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
+    out = competitive_attention(Q, K, V, mask)
+    # by hand with loops: r_km = softmax over capsules, then a weighted mean over present points
+    for b in range(2):
+        for k in range(3):
+            r = [math.exp(Q[b, k] @ K[b, m] / 2) / sum(math.exp(Q[b, j] @ K[b, m] / 2) for j in range(3))
+                 for m in range(7)]
+            w = [r[m] * bool(mask[b, m]) for m in range(7)]
+            expected = sum(w[m] * V[b, m] for m in range(7)) / sum(w)
+            torch.testing.assert_close(out[b, k], expected, atol=1e-5, rtol=1e-5)
+    # a point's shares over the capsules sum to one: a capsule that takes a point takes it from the others
+    r = torch.softmax(Q @ K.transpose(1, 2) / 2, dim=1)                       # [2, 3, 7]
+    torch.testing.assert_close(r.sum(1), torch.ones(2, 7))
+    enc = OfficialCapsuleEncoder(3, 8, dim=16, n_heads=2, n_layers=1, readout="competitive")
+    att = OfficialCapsuleEncoder(3, 8, dim=16, n_heads=2, n_layers=1)
+    att.load_state_dict(enc.state_dict())                      # the same parameters, another readout
+    X, m = torch.randn(4, 11, 2), torch.rand(4, 11) < 0.6
+    m[:, 0] = True
+    c = enc(X, m)
+    assert not torch.allclose(c, att(X, m), atol=1e-3)
+    perm = torch.randperm(11)
+    torch.testing.assert_close(enc(X[:, perm], m[:, perm]), c, atol=1e-5, rtol=1e-5)
+    Xj = X.clone(); Xj[~m] = 100.0
+    torch.testing.assert_close(enc(Xj, m), c, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="readout must be"):
+        OfficialCapsuleEncoder(3, 8, readout="softmax")
+    with pytest.raises(ValueError, match="needs encoder='official'"):
+        CCAE(dim=16, n_heads=2, n_layers=1, readout="competitive")
+
+
+def test_part_noise_and_deformations_switch_off_what_they_name():
+    from capsule_book.ccae import capsule_votes
+    torch.manual_seed(0)
+    K, N, B = 3, 4, 5
+    raw, bias, op = torch.randn(B, K, 8 * N + 7), torch.randn(K, 2 * N + 7), torch.randn(K, N, 6)
+    quiet = capsule_votes(raw, bias, op, static_parts=True)
+    torch.manual_seed(1)
+    noisy = capsule_votes(raw, bias, op, noise_scale=4.0, static_parts=True, part_noise=False)
+    # noise on ℓ_k only: log a_k,n is the static logit's in every example
+    torch.testing.assert_close(noisy.log_a - torch.nn.functional.logsigmoid(noisy.l_k),
+                               quiet.log_a - torch.nn.functional.logsigmoid(quiet.l_k))
+    assert (noisy.l_k - quiet.l_k).abs().max() > 0.1 and (noisy.l_k - quiet.l_k).abs().max() <= 2
+    torch.manual_seed(1)
+    both = capsule_votes(raw, bias, op, noise_scale=4.0, static_parts=True)
+    assert not torch.allclose(both.log_a, noisy.log_a)
+    rigid = capsule_votes(raw, bias, op, deformations=False)
+    # OP_k,n = T(static): the votes of a raw output with its dynamic part zeroed
+    raw0 = raw.clone(); raw0[..., :6 * N] = 0
+    torch.testing.assert_close(rigid.mu, capsule_votes(raw0, bias, op).mu)
+    assert rigid.op_dynamic.abs().max() == 0 and not torch.allclose(rigid.mu, quiet.mu)
+
+
+def test_command_line_builds_the_books_ccae():
+    import argparse
+    import sys
+    from pathlib import Path
+    from capsule_book.cli import ccae_from_args, ccae_train_arguments, ccae_train_settings
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from ccae_ablation import BOOK, CONFIGS
+    p = argparse.ArgumentParser()
+    ccae_train_arguments(p)
+    args = p.parse_args(BOOK)
+    model = ccae_from_args(args)
+    assert model.static_parts and not model.part_noise and not model.deformations
+    assert model.encoder.readout_kind == "competitive"
+    assert model.weights["prior_within"] == model.weights["prior_between"] == 0
+    assert ccae_train_settings(args)["drop_prob"] == 0.2 and ccae_train_settings(args)["average"] == 0.999
+    # the official configuration undoes all of them
+    official = p.parse_args(CONFIGS["official"])
+    assert ccae_train_settings(official)["average"] == 0 and ccae_train_settings(official)["drop_prob"] == 0.5
+    official = ccae_from_args(official)
+    assert official.part_noise and official.deformations and not official.static_parts
+    assert official.encoder.readout_kind == "attention" and official.weights["prior_within"] == 1
+    # "book, X" undoes the one change X; "book, no weight average, X" that and X
+    from ccae_ablation import CHANGES
+    for name, undone in CHANGES.items():
+        assert [a for a in BOOK if a not in CONFIGS[f"book, {name}"]] == undone
+    assert len(CONFIGS) == 2 + 2 * len(CHANGES) - 1

@@ -216,3 +216,43 @@ def test_two_cpu_processes_with_gloo_end_identical(tmp_path):
     assert [r["step"] for r in rows] == [1]                                   # 32 digits / (2 × 16): one step
     assert rows[0]["eval_n"] == 32 and ck["config"]["world_size"] == 2        # the test shards partition the set
     assert all(torch.equal(ck["model"][k], w0[k]) for k in w0)                # rank 0 saved the final weights
+
+
+def test_moving_average_of_the_weights_is_evaluated_resumed_and_kept(tmp_path):
+    from torch import nn
+    from capsule_book.train import Task, fit, trained_weights
+
+    def task(average: float) -> Task:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)
+        def make(g): return [torch.randn(8, 3, generator=g) for _ in range(3)]
+        def loss(net, x):
+            err = (net(x) - x.sum(1, keepdim=True)).pow(2).mean()
+            return err, {}
+        return Task("toy", {"average": average}, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                    SyntheticStream(make, 0), loss, lambda s: 0.1,
+                    evaluate=lambda m: {"w0": m.weight[0, 0].item()}, average=average)
+
+    # the trained weights after 0, 1, ..., 6 steps, without an average
+    live = [{k: v.clone() for k, v in task(0.0).model.state_dict().items()}]
+    live += [{k: v.clone() for k, v in fit(task(0.0), n, progress=False).model.state_dict().items()}
+             for n in range(1, 7)]
+    d = 0.9
+    by_hand = {k: v.clone() for k, v in live[0].items()}
+    for w in live[1:]:
+        by_hand = {k: d * by_hand[k] + (1 - d) * w[k] for k in w}
+    run = fit(task(d), 6, out=tmp_path / "a", eval_every=6, progress=False)
+    # the run ends with the average; its evaluation read the average; the checkpoint keeps both
+    for k, v in run.model.state_dict().items():
+        torch.testing.assert_close(v, by_hand[k])
+    assert run.history[-1]["eval_w0"] == pytest.approx(by_hand["weight"][0, 0].item(), abs=1e-6)
+    ck = load_checkpoint(tmp_path / "a" / "last.pt")
+    assert torch.equal(ck["model"]["weight"], live[6]["weight"])
+    assert not torch.allclose(ck["model"]["weight"], by_hand["weight"])
+    # stopped and resumed: the same average, bit for bit
+    fit(task(d), 6, out=tmp_path / "b", stop_at=3, progress=False)
+    fit(task(d), 6, out=tmp_path / "b", resume=True, progress=False)
+    cb = load_checkpoint(tmp_path / "b" / "last.pt")
+    assert all(torch.equal(trained_weights(ck)[k], trained_weights(cb)[k]) for k in ck["model"])
+    with pytest.raises(UserError, match="average must lie in"):
+        fit(task(1.0), 1, progress=False)

@@ -100,3 +100,11 @@ def test_unknown_names_and_missing_files_are_refused(shipped):
     (tmp / "repo" / "tiny.pt").unlink()
     with pytest.raises(UserError, match="retrain with: capsule-book train capsnet --steps 1"):
         weights.load("tiny", folder=tmp / "repo")
+
+
+def test_shipped_ccae_segments_fresh_constellations():
+    from capsule_book.ccae import evaluate_ccae
+    e = MANIFEST["ccae"]
+    res = evaluate_ccae(weights.load("ccae"), n=1000)                # 1,000 of the manifest's 10,000
+    assert abs(res["accuracy"] - e["metric"]["accuracy"]) < 0.03, res
+    assert res["accuracy"] > res["one_capsule_baseline"] + 0.2

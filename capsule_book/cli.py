@@ -367,11 +367,16 @@ def train_ccae_command(args: argparse.Namespace) -> int:
     from capsule_book.utils import pick_device
     torch_device = pick_device(args.device)
     import torch
-    # as benchmarks/ccae.py: subnormal floats flushed to zero on a CPU (faster, and the same run)
+    # as benchmarks/ccae.py: subnormal floats flushed to zero on a CPU (faster, and the same run),
+    # for this command only
+    was_flushed = (torch.tensor([1e-39]) * 1.0).item() == 0.0
     if torch_device.type == "cpu": torch.set_flush_denormal(True)
-    torch.manual_seed(args.seed)
-    model = ccae_from_args(args).to(torch_device)
-    result = train_ccae(model, args.steps, **ccae_train_settings(args))
+    try:
+        torch.manual_seed(args.seed)
+        model = ccae_from_args(args).to(torch_device)
+        result = train_ccae(model, args.steps, **ccae_train_settings(args))
+    finally:
+        torch.set_flush_denormal(was_flushed)
     return print_last_row(result)
 
 def ccae_eval_arguments(p: argparse.ArgumentParser) -> None:

@@ -22,25 +22,12 @@ from .train import (RunResult, SyntheticStream, Task, UserError, fit, load_check
                                 trained_weights)
 
 # %% auto #0
-__all__ = ['OFFICIAL_WEIGHTS', 'OFFICIAL_MODEL', 'OFFICIAL_TEMPLATE_INIT', 'competitive_attention', 'OfficialCapsuleEncoder',
+__all__ = ['OFFICIAL_WEIGHTS', 'OFFICIAL_MODEL', 'OFFICIAL_TEMPLATE_INIT', 'OfficialCapsuleEncoder', 'competitive_attention',
            'capsule_encoder', 'BatchLinear', 'BatchMLP', 'geometric_transform', 'CapsuleVotes', 'capsule_votes',
            'vote_mixture', 'ccae_losses', 'ccae_loss', 'CCAEOutput', 'CCAE', 'evaluate_ccae', 'ccae_task', 'train_ccae',
            'load_ccae', 'plot_ccae', 'plot_ccae_history']
 
 # %% ../nbs/08_ccae.ipynb #a4b228bb
-def competitive_attention(Q: Tensor, K: Tensor, V: Tensor, mask: Optional[Tensor] = None,
-                          eps: float = 1e-8) -> Tensor:
-    """Eq. (8.1): each present point shared out among the n queries (softmax over the queries),
-    then each query's weighted mean of the values. Q [..., n, d], K [..., m, d], V [..., m, d_v],
-    mask [..., m] (True = present) → [..., n, d_v]."""
-    scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])      # [..., n, m]
-    # r_km: each point's shares, summing to 1 over the queries
-    r = scores.softmax(dim=-2)
-    if mask is not None:
-        r = r * mask.unsqueeze(-2).to(r.dtype)                     # absent points: no share
-    # each query's weights over the points, summing to 1 (0 for a query given nothing)
-    return (r / (r.sum(-1, keepdim=True) + eps)) @ V               # [..., n, d_v]
-
 class OfficialCapsuleEncoder(nn.Module):
     """The official h^caps: Linear(2→dim), SABs, Linear(dim→dim_out), K learned queries read the
     points by one multi-head attention (`readout="attention"`) or by Eq. (8.1)
@@ -80,6 +67,21 @@ class OfficialCapsuleEncoder(nn.Module):
         O = competitive_attention(Qh, Kh, Vh, None if mask is None else mask[:, None, :])
         # [B, K, dim_out]
         return self.readout.W_O(O.transpose(1, 2).flatten(-2))
+
+# %% ../nbs/08_ccae.ipynb #7a5d3bcd
+def competitive_attention(Q: Tensor, K: Tensor, V: Tensor, mask: Optional[Tensor] = None,
+                          eps: float = 1e-8) -> Tensor:
+    """Eq. (8.1): each present point shared out among the n queries (softmax over the queries),
+    then each query's weighted mean of the values. Q [..., n, d], K [..., m, d], V [..., m, d_v],
+    mask [..., m] (True = present) → [..., n, d_v]."""
+    scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])      # [..., n, m]
+    # r_km: each point's shares, summing to 1 over the queries
+    r = scores.softmax(dim=-2)
+    if mask is not None:
+        r = r * mask.unsqueeze(-2).to(r.dtype)                     # absent points: no share
+    # each query's weights over the points, summing to 1 (0 for a query given nothing)
+    return (r / (r.sum(-1, keepdim=True) + eps)) @ V               # [..., n, d_v]
+
 
 # %% ../nbs/08_ccae.ipynb #e2a250ef
 def capsule_encoder(kind: str, n_objects: int, dim_special: int, dim: int = 128, n_heads: int = 4,

@@ -283,6 +283,10 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
         task.stream.load_state_dict(ck["stream"]); set_rng_state(ck["rng"])
         step, elapsed, running, n_running = (ck["step"], ck["elapsed"], ck["running"],
                                              ck["n_running"])
+    if average is not None:
+        # the model's tensors, once: loading a state dict copies into them in place
+        state = model.state_dict()
+        avg_tensors, live_tensors = list(average.values()), [state[k] for k in average]
     run = Path(out) if out is not None and rank == 0 else None
     net = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     last_eval = next((r for r in reversed(history) if any(k.startswith("eval_") for k in r)), {})
@@ -340,9 +344,8 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
         opt.step()
         if average is not None:
             with torch.no_grad():
-                state = model.state_dict()
-                for k, v in average.items():
-                    v.mul_(task.average).add_(state[k], alpha=1 - task.average)
+                # w̄ ← d·w̄ + (1 − d)·w, in place
+                torch._foreach_lerp_(avg_tensors, live_tensors, 1 - task.average)
         step += 1
         for k, v in {"loss": loss.detach(), **numbers}.items():
             running[k] = running.get(k, 0.0) + float(v)

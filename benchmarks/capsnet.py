@@ -1,6 +1,6 @@
-"""Throughput of the whole MNIST CapsNet: capsule_book's `CapsNet` against the seed's model (labml), side by side.
+"""Throughput of the whole MNIST CapsNet: capsule_book's `CapsNet` against labml's annotated CapsNet, side by side.
 
-The seed's model is written out below as labml has it (annotated_deep_learning_paper_implementations,
+labml's model is written out below as labml has it (annotated_deep_learning_paper_implementations,
 labml_nn/capsule_networks): primary capsules by `view(B, 8, 1152).permute(0, 2, 1)`, the einsum `Router` with
 `torch.randn` weights and its softmax over dim=1 (the input capsules), the decoder masked by the *prediction* during
 training, the un-squared margin loss and `nn.MSELoss` (a mean over pixels) for the reconstruction.
@@ -13,7 +13,7 @@ CPU, where `CapsNet` computes the PrimaryCaps convolution in Fourier form (Appen
 
 `--full` (not for CI; tens of minutes per model on a CPU): trains each model its own way from seed 0 and reports the
 minutes to reach 99.0% test accuracy (tested every `--eval-every` steps on the 10 000 test digits). Ours: the paper's
-settings (batch 128, shifts of 2 px, Adam 1e-3 decayed 0.96 per 2000 steps, label masking). The seed's: its loss and
+settings (batch 128, shifts of 2 px, Adam 1e-3 decayed 0.96 per 2000 steps, label masking). labml's: its loss and
 masking, Adam 1e-3, batch 128, no augmentation.
 
     OMP_NUM_THREADS=2 python benchmarks/capsnet.py [--rounds 5] [--steps 3] [--threads 2] [--device cpu]
@@ -22,8 +22,10 @@ masking, Adam 1e-3, batch 128, no augmentation.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +38,8 @@ from capsule_book.capsnet import lr_factor
 from capsule_book.utils import pick_device
 
 
-# ---- the seed's model, as labml writes it ------------------------------------------------------------------------
-class SeedSquash(nn.Module):
+# ---- labml's model, as labml writes it ------------------------------------------------------------------------
+class LabmlSquash(nn.Module):
     def __init__(self, epsilon=1e-8):
         super().__init__()
         self.epsilon = epsilon
@@ -47,12 +49,12 @@ class SeedSquash(nn.Module):
         return (s2 / (1 + s2)) * (s / torch.sqrt(s2 + self.epsilon))
 
 
-class SeedRouter(nn.Module):
+class LabmlRouter(nn.Module):
     def __init__(self, in_caps, out_caps, in_d, out_d, iterations):
         super().__init__()
         self.in_caps, self.out_caps, self.iterations = in_caps, out_caps, iterations
         self.softmax = nn.Softmax(dim=1)
-        self.squash = SeedSquash()
+        self.squash = LabmlSquash()
         self.weight = nn.Parameter(torch.randn(in_caps, out_caps, in_d, out_d), requires_grad=True)
 
     def forward(self, u):
@@ -68,7 +70,7 @@ class SeedRouter(nn.Module):
         return v
 
 
-class SeedMarginLoss(nn.Module):
+class LabmlMarginLoss(nn.Module):
     def __init__(self, *, n_labels, lambda_=0.5, m_positive=0.9, m_negative=0.1):
         super().__init__()
         self.m_negative, self.m_positive, self.lambda_, self.n_labels = m_negative, m_positive, lambda_, n_labels
@@ -80,13 +82,13 @@ class SeedMarginLoss(nn.Module):
         return loss.sum(dim=-1).mean()
 
 
-class SeedCapsNet(nn.Module):
+class LabmlCapsNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv1 = nn.Conv2d(in_channels=1, out_channels=256, kernel_size=9, stride=1)
         self.conv2 = nn.Conv2d(in_channels=256, out_channels=32 * 8, kernel_size=9, stride=2, padding=0)
-        self.squash = SeedSquash()
-        self.digit_capsules = SeedRouter(32 * 6 * 6, 10, 8, 16, 3)
+        self.squash = LabmlSquash()
+        self.digit_capsules = LabmlRouter(32 * 6 * 6, 10, 8, 16, 3)
         self.decoder = nn.Sequential(nn.Linear(16 * 10, 512), nn.ReLU(), nn.Linear(512, 1024), nn.ReLU(),
                                      nn.Linear(1024, 784), nn.Sigmoid())
 
@@ -112,7 +114,7 @@ def ours_step(model, opt, sched, margin, x, y):
     return loss
 
 
-def seed_step(model, opt, margin, mse, x, y):
+def labml_step(model, opt, margin, mse, x, y):
     caps, rec, pred = model(x)
     loss = margin(caps, y) + 0.0005 * mse(rec, x)
     opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
@@ -131,20 +133,20 @@ def throughput(args, device):
     images, labels = load_mnist(True, limit=args.batch_size * 8)
     batches = list(MNISTBatches(images, labels, args.batch_size, shuffle=True, max_shift=2, device=device))
     torch.manual_seed(0)
-    ours, seed = CapsNet(3).to(device), SeedCapsNet().to(device)
+    ours, labml = CapsNet(3).to(device), LabmlCapsNet().to(device)
     direct = CapsNet(3, conv_impl="direct").to(device)                     # ours with PrimaryCaps by F.conv2d
     direct.load_state_dict(ours.state_dict())
-    o_opt, s_opt = torch.optim.Adam(ours.parameters(), 1e-3), torch.optim.Adam(seed.parameters(), 1e-3)
+    o_opt, s_opt = torch.optim.Adam(ours.parameters(), 1e-3), torch.optim.Adam(labml.parameters(), 1e-3)
     d_opt = torch.optim.Adam(direct.parameters(), 1e-3)
-    margin, s_margin, mse = MarginLoss(10), SeedMarginLoss(n_labels=10), nn.MSELoss()
+    margin, s_margin, mse = MarginLoss(10), LabmlMarginLoss(n_labels=10), nn.MSELoss()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    models = {"ours": ours, "ours, direct conv": direct, "seed": seed}
+    models = {"ours": ours, "ours, direct conv": direct, "labml": labml}
     train_fns = {"ours": lambda x, y: ours_step(ours, o_opt, None, margin, x, y),
                  "ours, direct conv": lambda x, y: ours_step(direct, d_opt, None, margin, x, y),
-                 "seed": lambda x, y: seed_step(seed, s_opt, s_margin, mse, x, y)}
+                 "labml": lambda x, y: labml_step(labml, s_opt, s_margin, mse, x, y)}
     eval_fns = {"ours": lambda x, y: ours.eval()(x).predictions,
                 "ours, direct conv": lambda x, y: direct.eval()(x).predictions,
-                "seed": lambda x, y: seed.eval()(x)[2]}
+                "labml": lambda x, y: labml.eval()(x)[2]}
     if args.no_direct or device.type != "cpu":                               # on a GPU "auto" is already direct
         for d in (models, train_fns, eval_fns): d.pop("ours, direct conv")
     results = {}
@@ -160,22 +162,24 @@ def throughput(args, device):
                 with torch.set_grad_enabled(kind == "train"):
                     for s in range(args.steps): fn(*batches[(r * args.steps + s) % len(batches)])
                 sync(); times[name].append(args.steps * args.batch_size / (time.perf_counter() - t0))
-        results[kind] = {k: statistics.median(v) for k, v in times.items()}
-        o, s = results[kind]["ours"], results[kind]["seed"]
+        results[kind] = {k: round(statistics.median(v), 2) for k, v in times.items()}
+        o, s = results[kind]["ours"], results[kind]["labml"]
         print(f"{kind:5s} images/s (batch {args.batch_size}, {device}, {torch.get_num_threads()} threads, median of "
-              f"{args.rounds} rounds x {args.steps} steps): ours {o:8.1f}   seed {s:8.1f}   ratio {o / s:.2f}x", flush=True)
+              f"{args.rounds} rounds x {args.steps} steps): ours {o:8.1f}   labml {s:8.1f}   ratio {o / s:.2f}x", flush=True)
         if "ours, direct conv" in results[kind]:
             d = results[kind]["ours, direct conv"]
-            print(f"{'':5s} ours with PrimaryCaps by F.conv2d (no Fourier form): {d:8.1f}   ratio to the seed {d / s:.2f}x",
+            print(f"{'':5s} ours with PrimaryCaps by F.conv2d (no Fourier form): {d:8.1f}   ratio to labml's {d / s:.2f}x",
                   flush=True)
     return results
 
 
 def time_to_accuracy(args, device):
+    "Each model trained its own way until --target test accuracy: {name: {evals: [...], reached, steps, minutes}}."
+    report = {}
     x_tr, y_tr = load_mnist(True)
     x_te, y_te = load_mnist(False)
     test = MNISTBatches(x_te, y_te, 500, device=device)
-    for name in ("ours", "seed"):
+    for name in ("ours", "labml"):
         torch.manual_seed(0)
         if name == "ours":
             model = CapsNet(3).to(device)
@@ -186,25 +190,29 @@ def time_to_accuracy(args, device):
             predict = lambda x: model.eval()(x).predictions
             train = MNISTBatches(x_tr, y_tr, 128, shuffle=True, max_shift=2, device=device)
         else:
-            model = SeedCapsNet().to(device)
+            model = LabmlCapsNet().to(device)
             opt = torch.optim.Adam(model.parameters(), 1e-3)
-            s_margin, mse = SeedMarginLoss(n_labels=10), nn.MSELoss()
-            step = lambda x, y: seed_step(model.train(), opt, s_margin, mse, x, y)
+            s_margin, mse = LabmlMarginLoss(n_labels=10), nn.MSELoss()
+            step = lambda x, y: labml_step(model.train(), opt, s_margin, mse, x, y)
             predict = lambda x: model.eval()(x)[2]
             train = MNISTBatches(x_tr, y_tr, 128, shuffle=True, max_shift=0, device=device)
-        t_train, steps, acc, epoch, done = 0.0, 0, 0.0, 0, False
+        t_train, steps, acc, epoch, done, evals = 0.0, 0, 0.0, 0, False, []
         while not done:
             train.set_epoch(epoch); epoch += 1
             for x, y in train:
                 t0 = time.perf_counter(); step(x, y); t_train += time.perf_counter() - t0; steps += 1
                 if steps % args.eval_every == 0:
                     acc = accuracy(predict, test)
+                    evals.append({"step": steps, "minutes": round(t_train / 60, 2), "test_accuracy": acc})
                     print(f"  {name}: step {steps}, {t_train / 60:.1f} min training, test accuracy {acc:.2%}", flush=True)
                     if acc >= args.target or t_train / 60 > args.max_minutes:
                         done = True; break
         verdict = "reached" if acc >= args.target else "did not reach"
         print(f"{name}: {verdict} {args.target:.1%} after {steps} steps ({steps * 128 / 60000:.2f} epochs), "
               f"{t_train / 60:.1f} min of training", flush=True)
+        report[name] = {"evals": evals, "reached": acc >= args.target, "steps": steps,
+                        "minutes": round(t_train / 60, 2)}
+    return report
 
 
 def main():
@@ -219,11 +227,17 @@ def main():
     p.add_argument("--target", type=float, default=0.99)
     p.add_argument("--eval-every", type=int, default=235)
     p.add_argument("--max-minutes", type=float, default=240)
+    p.add_argument("--out", default=None, help="also write the results to this JSON file")
     args = p.parse_args()
     if args.threads: torch.set_num_threads(args.threads)
     device = pick_device(args.device)
-    throughput(args, device)
-    if args.full: time_to_accuracy(args, device)
+    report = {"settings": {"batch_size": args.batch_size, "device": str(device),
+                           "threads": torch.get_num_threads(), "rounds": args.rounds, "steps": args.steps},
+              "images_per_s": throughput(args, device)}
+    if args.full:
+        report["time_to_accuracy"] = {"target": args.target, **time_to_accuracy(args, device)}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from .fourier_conv import fourier_conv2d, kernel_spectrum
 from .routing import Router
 from .squash import squash
 from .train import (EpochStream, RunResult, Task, UserError, all_sum, fit,
-                                init_distributed, load_checkpoint)
+                                init_distributed, load_checkpoint, trained_weights)
 
 # %% ../nbs/04_capsnet.ipynb #e9cbc12b
 class PrimaryCaps(nn.Module):
@@ -275,7 +275,7 @@ def load_capsnet(path: Union[str, Path],
     if ck.get("task") != "capsnet":
         raise UserError(f"{path} holds a {ck.get('task', 'unknown')} checkpoint, not a CapsNet one")
     model = capsnet_from_config(ck["config"]).to(device)
-    model.load_state_dict(ck["model"])
+    model.load_state_dict(trained_weights(ck))   # the average, if the run kept one
     return model.eval(), ck
 
 # %% ../nbs/04_capsnet.ipynb #e7ec593e

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from .gmm import gmm_log_joint
 from .set_transformer import SetTransformer
 from .train import (RunResult, SyntheticStream, Task, UserError, fit, init_distributed,
-                                load_checkpoint)
+                                load_checkpoint, trained_weights)
 
 # %% auto #0
 __all__ = ['BENCHMARK_SEED', 'MOG_MODELS', 'MOG_RUN_KEYS', 'sample_mog', 'mog_log_prob', 'parse_mog', 'mog_nll', 'mog_benchmark',
@@ -204,7 +204,7 @@ def load_mog(path: Union[str, Path],
     if ck.get("task") != "mog":
         raise UserError(f"{path} holds a {ck.get('task', 'unknown')} checkpoint, not a MoG one")
     model = mog_model(ck["config"]).to(device)
-    model.load_state_dict(ck["model"])
+    model.load_state_dict(trained_weights(ck))   # the average, if the run kept one
     return model.eval(), ck
 
 # %% ../nbs/05b_mog.ipynb #23517b9a

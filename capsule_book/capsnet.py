@@ -214,7 +214,8 @@ def evaluate(model: CapsNet, batches: MNISTBatches, world: int = 1,
             out = model(x)
             sums += torch.stack([margin(out.caps, y).double() * len(y),
                                  (out.predictions == y).sum().double(),
-                                 torch.tensor(float(len(y)), dtype=torch.float64, device=sums.device)])
+                                 torch.tensor(float(len(y)), dtype=torch.float64,
+                                              device=sums.device)])
     model.train(was_training)
     loss_n, correct, n = all_sum(sums, world).tolist()
     return {"accuracy": correct / n, "error": 1 - correct / n, "loss": loss_n / n, "n": int(n)}

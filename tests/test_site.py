@@ -281,14 +281,18 @@ def test_one_search_box(routing_wide, routing_narrow):
 
 
 def test_no_chapter_shows_tooling(browser, server):
-    "On every page: no nbdev directive in the code, no progress bar in the outputs."
+    """On every page: no nbdev directive in the code, no code line longer than 100 characters (it would
+    scroll sideways beside its note at 1600 px), no progress bar in the outputs."""
     problems = []
     for page in _chapters():
         m = _measure(browser, server, page, WIDE)
         directives = [line for line in m["lines"] if line.lstrip().startswith("#|")]
+        long_lines = [line[:60] + "…" for line in m["lines"] if len(line) > 100]
         bars = [out[:80] for out in m["outputs"] if _PROGRESS.search(out)]
         if directives:
             problems.append(f"{page}: nbdev directives {directives[:3]}")
+        if long_lines:
+            problems.append(f"{page}: {len(long_lines)} code lines over 100 characters {long_lines[:3]}")
         if bars:
             problems.append(f"{page}: progress bars {bars[:2]}")
         if m["errors"]:

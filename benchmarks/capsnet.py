@@ -35,7 +35,7 @@ from capsule_book.capsnet import CapsNet, capsnet_loss
 from capsule_book.data import MNISTBatches, load_mnist, random_shift
 from capsule_book.losses import MarginLoss
 from capsule_book.capsnet import lr_factor
-from capsule_book.utils import pick_device
+from capsule_book.utils import cpu_name, pick_device
 
 
 # ---- labml's model, as labml writes it ------------------------------------------------------------------------
@@ -231,7 +231,8 @@ def main():
     args = p.parse_args()
     if args.threads: torch.set_num_threads(args.threads)
     device = pick_device(args.device)
-    report = {"settings": {"batch_size": args.batch_size, "device": str(device),
+    print(f"CPU: {cpu_name()}", flush=True)
+    report = {"settings": {"batch_size": args.batch_size, "device": str(device), "cpu": cpu_name(),
                            "threads": torch.get_num_threads(), "rounds": args.rounds, "steps": args.steps},
               "images_per_s": throughput(args, device)}
     if args.full:

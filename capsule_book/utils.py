@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['available_devices', 'pick_device', 'seed_everything', 'round_off']
+__all__ = ['available_devices', 'pick_device', 'seed_everything', 'round_off', 'cpu_name']
 
 # %% ../nbs/90_utils.ipynb #92a8acca
 def available_devices() -> list[str]:
@@ -48,3 +48,13 @@ def round_off(result: torch.Tensor, n: int, c: float = 4.0) -> float:
     """c·ε·√n·max|result|: the float32 round-off of a result of that
     size after sums of n terms in all."""
     return c * torch.finfo(torch.float32).eps * math.sqrt(n) * result.detach().abs().max().item()
+
+# %% ../nbs/90_utils.ipynb #a6ba84c4
+def cpu_name() -> str:
+    "The CPU's model name (Linux: /proc/cpuinfo; elsewhere what `platform` knows), or 'unknown CPU'."
+    import platform
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"

@@ -51,7 +51,8 @@ def round_off(result: torch.Tensor, n: int, c: float = 4.0) -> float:
 
 # %% ../nbs/90_utils.ipynb #a6ba84c4
 def cpu_name() -> str:
-    "The CPU's model name (Linux: /proc/cpuinfo; elsewhere what `platform` knows), or 'unknown CPU'."
+    """The CPU's model name (Linux: /proc/cpuinfo; elsewhere what `platform` knows),
+    or 'unknown CPU'."""
     import platform
     try:
         with open("/proc/cpuinfo") as f:

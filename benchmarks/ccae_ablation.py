@@ -75,6 +75,11 @@ def slug(name: str) -> str:
     return name.replace(" + ", "-plus-").replace(", ", "-").replace(" ", "-")
 
 
+def metrics_file(name: str, seed: int) -> Path:
+    "Where a finished run's metrics (held-out accuracy every --eval-every steps) are kept."
+    return RESULTS / "ccae_ablation" / f"{slug(name)}-s{seed}.metrics.jsonl"
+
+
 def run_folder(name: str, seed: int) -> Path:
     "A run's folder, named by its arguments (a name may come to mean other arguments)."
     key = hashlib.sha1(" ".join(CONFIGS[name]).encode()).hexdigest()[:8]
@@ -108,7 +113,7 @@ def finish(name: str, seed: int, proc: subprocess.Popen, log) -> None:
         print(f"{name} seed {seed}: {state}", flush=True)
         return
     (RESULTS / "ccae_ablation").mkdir(parents=True, exist_ok=True)
-    shutil.copy(out / "metrics.jsonl", RESULTS / "ccae_ablation" / f"{slug(name)}-s{seed}.metrics.jsonl")
+    shutil.copy(out / "metrics.jsonl", metrics_file(name, seed))
     row = {"config": name, "seed": seed, "args": CONFIGS[name],
            **{k: v for k, v in report.items() if k != "settings"},
            "steps": report["settings"]["steps"]}

@@ -22,10 +22,47 @@ from .train import (RunResult, SyntheticStream, Task, UserError, fit, load_check
                                 trained_weights)
 
 # %% auto #0
-__all__ = ['OFFICIAL_WEIGHTS', 'OFFICIAL_MODEL', 'OFFICIAL_TEMPLATE_INIT', 'OfficialCapsuleEncoder', 'competitive_attention',
-           'capsule_encoder', 'BatchLinear', 'BatchMLP', 'geometric_transform', 'CapsuleVotes', 'capsule_votes',
-           'vote_mixture', 'ccae_losses', 'ccae_loss', 'CCAEOutput', 'CCAE', 'evaluate_ccae', 'ccae_task', 'train_ccae',
-           'load_ccae', 'plot_ccae', 'plot_ccae_history']
+__all__ = ['OFFICIAL_WEIGHTS', 'OFFICIAL_MODEL', 'OFFICIAL_TEMPLATE_INIT', 'sab_on_present_rows', 'OfficialCapsuleEncoder',
+           'competitive_attention', 'capsule_encoder', 'BatchLinear', 'BatchMLP', 'geometric_transform', 'CapsuleVotes',
+           'capsule_votes', 'vote_mixture', 'ccae_losses', 'ccae_loss', 'CCAEOutput', 'CCAE', 'evaluate_ccae',
+           'FlatRMSprop', 'ccae_task', 'train_ccae', 'load_ccae', 'plot_ccae', 'plot_ccae_history']
+
+# %% ../nbs/08_ccae.ipynb #3cfddc21
+def _softmax_short_rows(s: Tensor) -> Tensor:
+    "softmax(s) over the last dimension, written out (on AVX-512 faster for short rows)."
+    e = (s - s.detach().amax(-1, keepdim=True)).exp()   # the shift cancels: no gradient through it
+    return e / e.sum(-1, keepdim=True)
+
+def sab_on_present_rows(sab: SAB, h: Tensor, rows: Tensor, mask: Tensor) -> Tensor:
+    """SAB(X, mask) of Chapter 5 on the present rows only: h [P, d_in] holds the rows of
+    X [B, M, d_in] at the flat indices `rows` [P] (mask.flatten().nonzero()), mask [B, M] → the
+    same rows of the SAB's output, [P, dim]."""
+    B, M = mask.shape
+    mab, mh = sab.mab, sab.mab.multihead
+    # QW^Q, KW^K, VW^V in one product: [P, 3·dim]
+    qkv = F.linear(h, torch.cat([mh.W_Q.weight, mh.W_K.weight, mh.W_V.weight]),
+                   torch.cat([mh.W_Q.bias, mh.W_K.bias, mh.W_V.bias]))
+    # attention needs the sets: rows set out as [B, M, 3·dim] (absent rows 0, never read)
+    full = qkv.new_zeros(B * M, qkv.shape[1]).index_copy(0, rows, qkv)
+    Q, K, V = full.view(B, M, 3, mh.h, mh.dim // mh.h).permute(2, 0, 3, 1, 4)   # [B, h, M, d/h]
+    scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))    # absent keys: weight 0
+    O = _softmax_short_rows(scores) @ V                                     # Eq. (1) per head
+    O = O.transpose(1, 2).reshape(B * M, mh.dim).index_select(0, rows)     # concat heads: [P, dim]
+    H = mab.ln0(mab.W_R(h) + mh.W_O(O))                                     # Eq. (5)
+    return mab.ln1(H + mab.rff(H))                                          # Eq. (4): [P, dim]
+
+def _points_on_present_rows(enc: nn.Module, X: Tensor, mask: Tensor) -> Tensor:
+    """Z W of the official encoder (embedding, SABs, Z W) on the present points only →
+    [B, M, dim_out], absent rows 0."""
+    B, M, _ = X.shape
+    rows = mask.flatten().nonzero().squeeze(1)                              # [P]
+    h = enc.embed(X.reshape(B * M, -1).index_select(0, rows))               # [P, dim]
+    for sab in enc.sabs:
+        h = sab_on_present_rows(sab, h, rows, mask)
+    z = enc.z(h)                                                            # [P, dim_out]
+    return z.new_zeros(B * M, z.shape[1]).index_copy(0, rows, z).view(B, M, -1)
+
 
 # %% ../nbs/08_ccae.ipynb #a4b228bb
 class OfficialCapsuleEncoder(nn.Module):
@@ -48,16 +85,21 @@ class OfficialCapsuleEncoder(nn.Module):
         self.queries = nn.Parameter(torch.empty(1, n_outputs, dim_out))
         nn.init.xavier_uniform_(self.queries)
         self.readout = Multihead(dim_out, dim_out, dim_out, n_heads)
+        # True: the row-wise layers on the present points only (above); False: as written here
+        self.packed = True
 
     def forward(self, X: Tensor, mask: Optional[Tensor] = None) -> Tensor:
         "X [B, M, dim_in], mask [B, M] True = present → c [B, K, dim_out]."
         _check_set("X", X, self.embed.in_features)
         mask = _check_mask(mask, X.shape[0], X.shape[1])
-        h = self.embed(X)                                                             # [B, M, dim]
-        for sab in self.sabs:
-            h = sab(h, mask)                                                          # [B, M, dim]
-        # [B, M, dim_out]
-        z = self.z(h)
+        if self.packed and mask is not None:
+            z = _points_on_present_rows(self, X, mask)                            # [B, M, dim_out]
+        else:
+            h = self.embed(X)                                                         # [B, M, dim]
+            for sab in self.sabs:
+                h = sab(h, mask)                                                      # [B, M, dim]
+            # [B, M, dim_out]
+            z = self.z(h)
         Q = self.queries.expand(X.shape[0], -1, -1)
         if self.readout_kind == "attention":
             # [B, K, dim_out]
@@ -391,15 +433,43 @@ def evaluate_ccae(model: CCAE, n: int = 10_000, batch_size: int = 32, seed: int 
     model.train(was_training)
     return {**segmentation_report(a, y, p, model.K), "log_likelihood": ll.mean().item(), "n": n}
 
+# %% ../nbs/08_ccae.ipynb #96f73392
+class FlatRMSprop(torch.optim.RMSprop):
+    """torch.optim.RMSprop on one flat tensor holding all of `model`'s parameters: each parameter,
+    and its gradient, becomes a view of it (load weights with `model.load_state_dict`, which copies
+    into the views; a parameter replaced by another tensor would no longer be trained)."""
+    def __init__(self, model: nn.Module, **kwargs):
+        params = list(model.parameters())
+        if not params or len({(q.dtype, q.device) for q in params}) != 1:
+            raise ValueError("FlatRMSprop needs a model whose parameters share one dtype and "
+                             "device")
+        flat = torch.cat([q.detach().flatten() for q in params])
+        grad = torch.zeros_like(flat)
+        offset = 0
+        for q in params:
+            n = q.numel()
+            q.data = flat[offset:offset + n].view_as(q)
+            # backward adds into a gradient that exists, in place
+            q.grad = grad[offset:offset + n].view_as(q)
+            offset += n
+        self.flat = nn.Parameter(flat)
+        self.flat.grad = grad
+        super().__init__([self.flat], **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        "Zero the flat gradient in place (the parameters' gradients are its views, never None)."
+        self.flat.grad.zero_()
+
+
 # %% ../nbs/08_ccae.ipynb #46cb84ff
 def ccae_task(model: CCAE, batch_size: int = 32, lr: float = 1e-4, seed: int = 0,
               optimizer: str = "rmsprop", lr_decay: float = 1.0, decay_steps: int = 10_000,
               eval_n: int = 2000, resume_command: str = "", drop_prob: float = 0.5,
               complete_steps: int = 0, average: float = 0.0) -> Task:
     """The engine's task for a CCAE on fresh constellations (each pattern dropped with
-    `drop_prob`, none in the first `complete_steps`): RMSProp (official) or Adam, η(s)
-    = lr·lr_decay^(s/decay_steps); `average` > 0: evaluate and end with a moving average of the
-    weights (Task.average)."""
+    `drop_prob`, none in the first `complete_steps`): RMSProp (official, as `FlatRMSprop`) or
+    Adam, η(s) = lr·lr_decay^(s/decay_steps); `average` > 0: evaluate and end with a moving average
+    of the weights (Task.average)."""
     if not 0 <= drop_prob < 1:
         raise ValueError(f"drop_prob must lie in [0, 1), got {drop_prob}")
     if complete_steps < 0 or complete_steps % 100:
@@ -410,8 +480,7 @@ def ccae_task(model: CCAE, batch_size: int = 32, lr: float = 1e-4, seed: int = 0
                          f"{decay_steps}")
     if batch_size < 1: raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     if optimizer == "rmsprop":
-        opt = torch.optim.RMSprop(model.parameters(), lr=lr, alpha=0.9, momentum=0.9,
-                                  eps=0.1 / batch_size)
+        opt = FlatRMSprop(model, lr=lr, alpha=0.9, momentum=0.9, eps=0.1 / batch_size)
     elif optimizer == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=lr)
     else:

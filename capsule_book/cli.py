@@ -234,6 +234,9 @@ def mog_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-heads", type=positive, default=4)
     p.add_argument("--n-inducing", type=positive, default=16,
                    help="inducing points of ISAB (default 16)")
+    p.add_argument("--no-layer-norm", dest="ln", action="store_false",
+                   help="no LayerNorm in the MABs, as the authors' run.py "
+                        "(default: the paper's, with)")
     p.add_argument("--batch-size", type=positive, default=10, help=f"sets per step {from_paper}")
     p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--decay-step", type=positive, default=35_000,
@@ -252,7 +255,7 @@ def train_mog_command(args: argparse.Namespace) -> int:
     print the last metrics row as JSON."""
     from capsule_book.mog import MogConfig, train_mog
     cfg = MogConfig(model=args.model, dim=args.dim, n_heads=args.n_heads,
-                    n_inducing=args.n_inducing, batch_size=args.batch_size, lr=args.lr,
+                    n_inducing=args.n_inducing, ln=args.ln, batch_size=args.batch_size, lr=args.lr,
                     decay_step=args.decay_step, n_min=args.n_min, n_max=args.n_max,
                     eval_batches=args.eval_batches, steps=args.steps, seed=args.seed,
                     device=args.device, eval_every=args.eval_every, **run_settings(args))

@@ -118,14 +118,15 @@ class DeepSet(nn.Module):
 MOG_MODELS = ("rff-pooling", "sab-pma", "isab-pma")
 
 def mog_model(config: dict) -> nn.Module:
-    "The untrained network of a MoG run's `config` (keys model, dim, n_heads, n_inducing, k)."
-    name, dim, k = config["model"], config["dim"], config["k"]
+    """The untrained network of a MoG run's `config` (keys model, dim, n_heads, n_inducing, k;
+    ln, LayerNorm in every MAB, True when absent)."""
+    name, dim, k, ln = config["model"], config["dim"], config["k"], config.get("ln", True)
     if name == "rff-pooling": return DeepSet(2, 5, k, dim=dim)
     if name == "sab-pma":
-        return SetTransformer(2, 5, k, dim=dim, n_heads=config["n_heads"], n_layers=2)
+        return SetTransformer(2, 5, k, dim=dim, n_heads=config["n_heads"], n_layers=2, ln=ln)
     if name == "isab-pma":
         return SetTransformer(2, 5, k, dim=dim, n_heads=config["n_heads"], n_layers=2,
-                              n_inducing=config["n_inducing"])
+                              n_inducing=config["n_inducing"], ln=ln)
     raise ValueError(f"model must be one of {', '.join(MOG_MODELS)}, got {name!r}")
 
 # %% ../nbs/05b_mog.ipynb #d7d8f051
@@ -137,6 +138,7 @@ class MogConfig:
     dim: int = 128
     n_heads: int = 4
     n_inducing: int = 16
+    ln: bool = True                       # LayerNorm in every MAB (the authors' run.py: none)
     k: int = 4
     batch_size: int = 10                  # sets per step, one n for all
     lr: float = 1e-3
@@ -158,7 +160,7 @@ class MogConfig:
     log_every: int = 50
     eval_every: int = 1000
 
-MOG_RUN_KEYS = ("model", "dim", "n_heads", "n_inducing", "k", "batch_size", "lr", "decay_step",
+MOG_RUN_KEYS = ("model", "dim", "n_heads", "n_inducing", "ln", "k", "batch_size", "lr", "decay_step",
                 "n_min", "n_max", "eval_batches", "seed")
 
 def mog_task(cfg: MogConfig, device: Union[str, torch.device] = "cpu",

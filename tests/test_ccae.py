@@ -1,4 +1,5 @@
 """The Constellation Capsule Autoencoder of Chapter 8: the accuracy metric, the model's mathematics, training."""
+import io
 import itertools
 import math
 
@@ -490,3 +491,64 @@ def test_command_line_builds_the_books_ccae():
     from ccae_ablation import config_of
     assert all(config_of(list(reversed(args)) if not args else args[2:] + args[:2]) == name
                for name, args in CONFIGS.items())
+
+
+def _official_small(**kw):
+    torch.manual_seed(0)
+    return CCAE(dim=16, n_heads=2, n_layers=2, n_hidden=16, dim_special=8, encoder="official",
+                background=0.01, **kw)
+
+
+def test_present_rows_encoder_is_the_padded_encoder():
+    "The packed layers give the padded layers' loss and every gradient, on batches with absent points."
+    model = _official_small()
+    batch = make_constellations(16, generator=torch.Generator().manual_seed(3))
+    assert not batch.presence.all()                        # absent points, and some empty examples
+    results = {}
+    for packed in (True, False):
+        model.encoder.packed = packed
+        model.zero_grad()
+        torch.manual_seed(7)                               # the same training noise
+        out = model(batch.points, batch.presence)
+        out.loss.backward()
+        results[packed] = out.loss.item(), {n: q.grad.clone() for n, q in model.named_parameters()}
+    assert results[True][0] == pytest.approx(results[False][0], rel=1e-5)
+    for name, g in results[True][1].items():
+        assert torch.allclose(g, results[False][1][name], rtol=1e-4, atol=1e-5), name
+    # and the gradients are not all zero (the packed path reaches every encoder weight)
+    assert all(g.abs().sum() > 0 for n, g in results[True][1].items() if n.startswith("encoder.sabs"))
+
+
+def test_flat_rmsprop_makes_the_updates_of_rmsprop_and_resumes_exactly():
+    from capsule_book.ccae import FlatRMSprop
+    kw = dict(lr=1e-3, alpha=0.9, momentum=0.9, eps=0.1 / 8)
+    batches = [make_constellations(8, generator=torch.Generator().manual_seed(s)) for s in range(6)]
+
+    def train(model, opt, bs):
+        for b in bs:
+            opt.zero_grad()
+            model(b.points, b.presence).loss.backward()
+            opt.step()
+    ref = _official_small(); ref_opt = torch.optim.RMSprop(ref.parameters(), **kw)
+    flat = _official_small(); flat_opt = FlatRMSprop(flat, **kw)
+    torch.manual_seed(1); train(ref, ref_opt, batches[:4])
+    torch.manual_seed(1); train(flat, flat_opt, batches[:4])
+    # trained: the weights moved
+    assert not torch.equal(ref.encoder.embed.weight, _official_small().encoder.embed.weight)
+    for (name, a), b in zip(ref.named_parameters(), flat.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), name
+    # the parameters are still views of the flat tensor the optimiser updates
+    assert all(q.untyped_storage().data_ptr() == flat_opt.flat.untyped_storage().data_ptr()
+               for q in flat.parameters())
+    flat_opt.zero_grad()
+    assert all(q.grad is not None and not q.grad.any() for q in flat.parameters())
+    # a copy resumed from a checkpoint (saved and loaded state dicts) continues as the original
+    buf = io.BytesIO(); torch.save({"model": flat.state_dict(), "opt": flat_opt.state_dict()}, buf)
+    buf.seek(0); ck = torch.load(buf)
+    copy = _official_small(); copy_opt = FlatRMSprop(copy, **kw)
+    copy.load_state_dict(ck["model"]); copy_opt.load_state_dict(ck["opt"])
+    torch.manual_seed(2); train(flat, flat_opt, batches[4:])
+    torch.manual_seed(2); train(copy, copy_opt, batches[4:])
+    assert all(torch.equal(a, b) for a, b in zip(flat.parameters(), copy.parameters()))
+    with pytest.raises(ValueError, match="share one dtype"):
+        FlatRMSprop(torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).double()]))

@@ -74,6 +74,22 @@ def test_command_line_train_and_eval(tmp_path, capsys):
     assert evaluate_mog(model, sets) == pytest.approx(res["ll"], abs=1e-6) and ck["config"]["model"] == "isab-pma"
 
 
+def test_without_layer_norm_from_the_command_line_to_the_loaded_model(tmp_path, capsys):
+    "--no-layer-norm reaches the run's config and the loaded model; a config without `ln` means LayerNorm."
+    small = ["--dim", "16", "--n-heads", "2", "--n-min", "20", "--n-max", "40", "--eval-batches", "2",
+             "--steps", "2", "--eval-every", "2", "--no-progress", "--device", "cpu", "--out", str(tmp_path)]
+    assert main(["train", "mog", "--model", "sab-pma", "--no-layer-norm", *small]) == 0
+    capsys.readouterr()
+    model, ck = load_mog(tmp_path / "last.pt")
+    assert ck["config"]["ln"] is False
+    norms = lambda m: sum(isinstance(x, torch.nn.LayerNorm) for x in m.modules())
+    assert norms(model) == 0
+    old = {k: v for k, v in ck["config"].items() if k != "ln"}          # a run from before the flag
+    assert norms(mog_model(old)) == 2 * 4 and norms(mog_model({**old, "model": "isab-pma"})) == 2 * 6
+    with pytest.raises(CheckpointError, match="ln"):                    # resuming with LayerNorm: refused
+        train_mog(MogConfig(model="sab-pma", out=str(tmp_path), resume=True,
+                            **{**TINY, "dim": 16, "steps": 4}))
+
 def test_mixture_density_integrates_to_one_and_matches_torch_distributions():
     g = torch.Generator().manual_seed(3)
     X, _, (pi, mu, sig) = sample_mog(3, 50, generator=g)

@@ -160,8 +160,8 @@ class MogConfig:
     log_every: int = 50
     eval_every: int = 1000
 
-MOG_RUN_KEYS = ("model", "dim", "n_heads", "n_inducing", "ln", "k", "batch_size", "lr", "decay_step",
-                "n_min", "n_max", "eval_batches", "seed")
+MOG_RUN_KEYS = ("model", "dim", "n_heads", "n_inducing", "ln", "k", "batch_size", "lr",
+                "decay_step", "n_min", "n_max", "eval_batches", "seed")
 
 def mog_task(cfg: MogConfig, device: Union[str, torch.device] = "cpu",
              resume_command: str = "") -> Task:

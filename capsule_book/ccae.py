@@ -33,6 +33,10 @@ def _softmax_short_rows(s: Tensor) -> Tensor:
     e = (s - s.detach().amax(-1, keepdim=True)).exp()   # the shift cancels: no gradient through it
     return e / e.sum(-1, keepdim=True)
 
+def _set_out(packed: Tensor, rows: Tensor, B: int, M: int) -> Tensor:
+    "Packed rows [P, c] at their flat indices `rows` of [B·M] → [B, M, c], absent rows 0."
+    return packed.new_zeros(B * M, packed.shape[1]).index_copy(0, rows, packed).view(B, M, -1)
+
 def sab_on_present_rows(sab: SAB, h: Tensor, rows: Tensor, mask: Tensor) -> Tensor:
     """SAB(X, mask) of Chapter 5 on the present rows only: h [P, d_in] holds the rows of
     X [B, M, d_in] at the flat indices `rows` [P] (mask.flatten().nonzero()), mask [B, M] → the
@@ -43,7 +47,7 @@ def sab_on_present_rows(sab: SAB, h: Tensor, rows: Tensor, mask: Tensor) -> Tens
     qkv = F.linear(h, torch.cat([mh.W_Q.weight, mh.W_K.weight, mh.W_V.weight]),
                    torch.cat([mh.W_Q.bias, mh.W_K.bias, mh.W_V.bias]))
     # attention needs the sets: rows set out as [B, M, 3·dim] (absent rows 0, never read)
-    full = qkv.new_zeros(B * M, qkv.shape[1]).index_copy(0, rows, qkv)
+    full = _set_out(qkv, rows, B, M)
     Q, K, V = full.view(B, M, 3, mh.h, mh.dim // mh.h).permute(2, 0, 3, 1, 4)   # [B, h, M, d/h]
     scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))    # absent keys: weight 0
@@ -61,7 +65,7 @@ def _points_on_present_rows(enc: nn.Module, X: Tensor, mask: Tensor) -> Tensor:
     for sab in enc.sabs:
         h = sab_on_present_rows(sab, h, rows, mask)
     z = enc.z(h)                                                            # [P, dim_out]
-    return z.new_zeros(B * M, z.shape[1]).index_copy(0, rows, z).view(B, M, -1)
+    return _set_out(z, rows, B, M)
 
 
 # %% ../nbs/08_ccae.ipynb #a4b228bb

@@ -90,6 +90,7 @@ def test_without_layer_norm_from_the_command_line_to_the_loaded_model(tmp_path, 
         train_mog(MogConfig(model="sab-pma", out=str(tmp_path), resume=True,
                             **{**TINY, "dim": 16, "steps": 4}))
 
+
 def test_mixture_density_integrates_to_one_and_matches_torch_distributions():
     g = torch.Generator().manual_seed(3)
     X, _, (pi, mu, sig) = sample_mog(3, 50, generator=g)

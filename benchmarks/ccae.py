@@ -13,10 +13,11 @@ JSON line with the settings, the training time and the accuracy on --final-n fre
 
     python benchmarks/ccae.py --speed               # the training step against commit 0710f38, side by side
 
---speed times the official model's training step (batch 32, forward, loss, backward, optimiser step) of this tree
-against the same step of an earlier commit (a temporary `git worktree`), in alternating rounds of fresh processes
-with the same thread count, and prints the median milliseconds per step of each and their ratio; it also checks that
-both compute the same loss on the same batch from the same initial weights.
+--speed times the official model's training step (batch 32, forward, loss, backward, optimiser step) of this tree,
+eager and compiled (`model.compiled = True`, `capsule-book train ccae --compile`), against the same step of an earlier
+commit (a temporary `git worktree`), in rotating rounds of fresh processes with the same thread count, and prints the
+median milliseconds per step of each and their ratios; it also checks that all compute the same loss on the same
+batch from the same initial weights. A compiled round first compiles (not timed: warm-up steps).
 """
 import argparse
 import json
@@ -40,10 +41,11 @@ SPEED_WORKER = r"""
 import json, sys, time, torch
 from capsule_book import ccae
 from capsule_book.constellations import make_constellations
-steps, warmup = int(sys.argv[1]), int(sys.argv[2])
+steps, warmup, compiled = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 torch.set_flush_denormal(True)
 torch.manual_seed(0)
 model = ccae.CCAE(**ccae.OFFICIAL_MODEL)
+if compiled: model.compiled = True
 g = torch.Generator().manual_seed(1)
 batches = [make_constellations(32, generator=g) for _ in range(10)]
 model.eval()
@@ -75,13 +77,18 @@ def speed(reference: str, rounds: int, steps: int, threads: int, out: str) -> di
         subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(ref_tree), reference],
                        check=True, capture_output=True)
         try:
-            trees = {"reference": ref_tree, "this tree": root}
+            # name: (tree, compiled)
+            trees = {"reference": (ref_tree, False), "this tree": (root, False),
+                     "this tree, compiled": (root, True)}
             env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
             times = {k: [] for k in trees}
             losses = {}
             for r in range(rounds):
-                for name, tree in (trees.items() if r % 2 == 0 else reversed(trees.items())):
-                    res = subprocess.run([sys.executable, "-c", SPEED_WORKER, str(steps), "5"], check=True,
+                order = list(trees.items())
+                # each variant first, middle and last in turn
+                for name, (tree, compiled) in order[r % 3:] + order[:r % 3]:
+                    res = subprocess.run([sys.executable, "-c", SPEED_WORKER, str(steps),
+                                          "15" if compiled else "5", "1" if compiled else "0"], check=True,
                                          capture_output=True, text=True,
                                          env={**env, "PYTHONPATH": str(tree)}, cwd=tmp)
                     row = json.loads(res.stdout.strip().splitlines()[-1])
@@ -95,8 +102,9 @@ def speed(reference: str, rounds: int, steps: int, threads: int, out: str) -> di
               "steps_per_round": steps, "ms_per_step": {k: round(v, 3) for k, v in med.items()},
               "all_ms": {k: [round(x, 3) for x in v] for k, v in times.items()},
               "speedup": round(med["reference"] / med["this tree"], 3),
+              "speedup_compiled": round(med["reference"] / med["this tree, compiled"], 3),
               "loss_same_batch": losses,
-              "loss_difference": abs(losses["reference"] - losses["this tree"])}
+              "loss_difference": max(abs(losses["reference"] - v) for v in losses.values())}
     print(json.dumps(report))
     if out: Path(out).write_text(json.dumps(report, indent=1) + "\n")
     return report

@@ -18,6 +18,7 @@ from .segmentation import segmentation_accuracy, segmentation_report
 from .gmm import (check_background, gmm_log_joint, gmm_log_likelihood,
                               gmm_log_likelihood_from_joint, gmm_posterior_from_joint)
 from .set_transformer import SAB, Multihead, SetTransformer, _check_mask, _check_set
+from .utils import compiling
 from .train import (RunResult, SyntheticStream, Task, UserError, fit, load_checkpoint,
                                 trained_weights)
 
@@ -49,9 +50,14 @@ def sab_on_present_rows(sab: SAB, h: Tensor, rows: Tensor, mask: Tensor) -> Tens
     # attention needs the sets: rows set out as [B, M, 3·dim] (absent rows 0, never read)
     full = _set_out(qkv, rows, B, M)
     Q, K, V = full.view(B, M, 3, mh.h, mh.dim // mh.h).permute(2, 0, 3, 1, 4)   # [B, h, M, d/h]
-    scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])
+    # compiled (Training step, below): the M×M products of each head as one fused loop, where
+    # bmm's of 11×11 are mostly overhead; eager: bmm
+    fused = compiling()
+    scores = ((Q[..., :, None, :] * K[..., None, :, :]).sum(-1) if fused
+              else Q @ K.transpose(-2, -1)) / math.sqrt(Q.shape[-1])
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))    # absent keys: weight 0
-    O = _softmax_short_rows(scores) @ V                                     # Eq. (1) per head
+    w = _softmax_short_rows(scores)
+    O = (w[..., None] * V[..., None, :, :]).sum(-2) if fused else w @ V    # Eq. (1) per head
     O = O.transpose(1, 2).reshape(B * M, mh.dim).index_select(0, rows)     # concat heads: [P, dim]
     H = mab.ln0(mab.W_R(h) + mh.W_O(O))                                     # Eq. (5)
     return mab.ln1(H + mab.rff(H))                                          # Eq. (4): [P, dim]
@@ -222,9 +228,11 @@ def capsule_votes(raw: Tensor, bias: Tensor, op_static: Tensor, similarity: bool
         l_kn = bias[:, 7:7 + N].expand(B, K, N)
     # presence-logit noise (training)
     if noise_scale > 0:
-        l_k = l_k + (torch.rand_like(l_k) - 0.5) * noise_scale                   # [B, K, 1]
+        # one draw for both, [B, K, 1 (+ N)]: the same numbers compiled or not (Training)
+        u = (torch.rand(B, K, 1 + N * part_noise, dtype=raw.dtype, device=raw.device) - 0.5)
+        l_k = l_k + u[..., :1] * noise_scale                                      # [B, K, 1]
         if part_noise:
-            l_kn = l_kn + (torch.rand_like(l_kn) - 0.5) * noise_scale            # [B, K, N]
+            l_kn = l_kn + u[..., 1:] * noise_scale                                # [B, K, N]
     # OV_k: [B, K, 3, 3]
     OV = geometric_transform(ov_params, similarity)
     # OP_k,n: [B, K, N, 3, 3]
@@ -367,6 +375,8 @@ class CCAE(nn.Module):
         self.background = check_background(background)
         # h^caps, Eq. (1)
         self.encoder = capsule_encoder(encoder, K, dim_special, dim, n_heads, n_layers, readout)
+        # True: the same function through torch.compile (*Training*, below), for training speed
+        self.compiled = False
         # dynamic OP params, OV params, ℓ_k, ℓ_k,n, scale params
         self.splits = [6 * N, 6, 1, N, N]
         # Eq. (2)
@@ -390,9 +400,10 @@ def _ccae_forward(self: CCAE, points: Tensor, presence: Tensor) -> CCAEOutput:
     present = presence.bool()
     # examples with at least one point
     keep = present.any(1)
+    run = self._forward_compiled if self.compiled else self._forward
     if keep.all():
-        return self._forward(points, present)
-    out = self._forward(points[keep], present[keep]) if keep.any() else None
+        return run(points, present)
+    out = run(points[keep], present[keep]) if keep.any() else None
     return _with_empty_examples(out, keep, points, self.K, self.N)
 
 CCAE.forward = _ccae_forward
@@ -464,6 +475,23 @@ class FlatRMSprop(torch.optim.RMSprop):
         "Zero the flat gradient in place (the parameters' gradients are its views, never None)."
         self.flat.grad.zero_()
 
+
+# %% ../nbs/08_ccae.ipynb #a08554dd
+_COMPILED: dict = {}                     # the compiled CCAE._forward, made on first use
+
+def _ccae_forward_compiled(self: CCAE, x: Tensor, present: Tensor) -> CCAEOutput:
+    """CCAE._forward through torch.compile: dynamic sizes (the batch, the packed encoder's
+    present rows), PyTorch's own random draws; the same function as the eager one."""
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+    if "forward" not in _COMPILED:
+        _COMPILED["forward"] = torch.compile(_ccae_forward_kept, dynamic=True)
+    # nonzero (the present rows) has a data-dependent size: traced, not a graph break
+    with dynamo_config.patch(capture_dynamic_output_shape_ops=True), \
+            inductor_config.patch(fallback_random=True):
+        return _COMPILED["forward"](self, x, present)
+
+CCAE._forward_compiled = _ccae_forward_compiled
 
 # %% ../nbs/08_ccae.ipynb #46cb84ff
 def ccae_task(model: CCAE, batch_size: int = 32, lr: float = 1e-4, seed: int = 0,

@@ -237,6 +237,9 @@ def mog_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-layer-norm", dest="ln", action="store_false",
                    help="no LayerNorm in the MABs, as the authors' run.py "
                         "(default: the paper's, with)")
+    p.add_argument("--attention-scale", dest="scale", choices=["head", "width"], default="head",
+                   help="divide each head's scores by the root of its width d/h (the paper, "
+                        "default) or of the width d of all heads (the authors' modules.py)")
     p.add_argument("--batch-size", type=positive, default=10, help=f"sets per step {from_paper}")
     p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--decay-step", type=positive, default=35_000,
@@ -255,7 +258,8 @@ def train_mog_command(args: argparse.Namespace) -> int:
     print the last metrics row as JSON."""
     from capsule_book.mog import MogConfig, train_mog
     cfg = MogConfig(model=args.model, dim=args.dim, n_heads=args.n_heads,
-                    n_inducing=args.n_inducing, ln=args.ln, batch_size=args.batch_size, lr=args.lr,
+                    n_inducing=args.n_inducing, ln=args.ln, scale=args.scale,
+                    batch_size=args.batch_size, lr=args.lr,
                     decay_step=args.decay_step, n_min=args.n_min, n_max=args.n_max,
                     eval_batches=args.eval_batches, steps=args.steps, seed=args.seed,
                     device=args.device, eval_every=args.eval_every, **run_settings(args))
@@ -297,6 +301,9 @@ def ccae_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="multiply η by this every 10,000 steps, continuously (official code: "
                         "computes 0.96, uses 1)")
     p.add_argument("--optimizer", choices=["rmsprop", "adam"], default="rmsprop")
+    p.add_argument("--compile", action="store_true",
+                   help="run the model through torch.compile: the same function, faster steps "
+                        "after a first one that compiles (about a minute on a CPU core)")
     p.add_argument("--dim", type=positive, default=128, help="encoder width (official 128)")
     p.add_argument("--n-layers", type=positive, default=4, help="encoder blocks (official 4)")
     p.add_argument("--n-heads", type=positive, default=4)
@@ -346,12 +353,15 @@ def ccae_from_args(args: argparse.Namespace):
     weights = dict(posterior_within=args.posterior_sparsity,
                    posterior_between=args.posterior_sparsity,
                    prior_within=args.prior_sparsity, prior_between=args.prior_sparsity)
-    return CCAE(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
-                dim_special=args.dim_special, encoder=args.encoder,
-                background=args.background or None, weights=weights,
-                template_init=args.template_init, part_presence=args.part_presence,
-                part_noise=args.part_noise, deformations=args.deformations,
-                readout=args.readout)
+    model = CCAE(dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
+                 dim_special=args.dim_special, encoder=args.encoder,
+                 background=args.background or None, weights=weights,
+                 template_init=args.template_init, part_presence=args.part_presence,
+                 part_noise=args.part_noise, deformations=args.deformations,
+                 readout=args.readout)
+    # the same function, faster to train (Chapter 8, Training); not part of the run's config
+    model.compiled = args.compile
+    return model
 
 def ccae_train_settings(args: argparse.Namespace) -> dict:
     """`train_ccae`'s keywords from the `train ccae` arguments

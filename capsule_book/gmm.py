@@ -9,6 +9,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .utils import compiling
+
 # %% auto #0
 __all__ = ['gaussian_log_density', 'gmm_log_joint', 'gmm_log_likelihood', 'gmm_log_likelihood_from_joint',
            'plot_log_likelihood_stability', 'check_background', 'gmm_posterior', 'gmm_posterior_from_joint']
@@ -35,6 +37,8 @@ def _check_gmm_inputs(x: Tensor, presence: Optional[Tensor], means: Tensor, scal
             shapes = " or ".join(map(str, expected[name])) if C > 0 else "[B, C, D], C >= 1"
             raise ValueError(f"{name} must have shape {shapes} (from x {tuple(x.shape)} and means "
                              f"{tuple(means.shape)}), got {tuple(t.shape)}")
+    if compiling():                  # the value check below: eager code only (Appendix A)
+        return
     # λ > 0: log λ and 1/λ² of Eqs. (7.1), (7.1')
     ok = (scales > 0) & torch.isfinite(scales)
     # an example with no point uses no scale

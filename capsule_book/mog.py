@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .gmm import gmm_log_joint
-from .set_transformer import SetTransformer
+from .set_transformer import Multihead, SetTransformer
 from .train import (RunResult, SyntheticStream, Task, UserError, fit, init_distributed,
                                 load_checkpoint, trained_weights)
 
@@ -119,15 +119,21 @@ MOG_MODELS = ("rff-pooling", "sab-pma", "isab-pma")
 
 def mog_model(config: dict) -> nn.Module:
     """The untrained network of a MoG run's `config` (keys model, dim, n_heads, n_inducing, k;
-    ln, LayerNorm in every MAB, True when absent)."""
+    ln, LayerNorm in every MAB, True when absent; scale, "head" when absent: scores ÷ √(d/h),
+    Eq. (3), or "width": ÷ √d, the authors' modules.py)."""
     name, dim, k, ln = config["model"], config["dim"], config["k"], config.get("ln", True)
     if name == "rff-pooling": return DeepSet(2, 5, k, dim=dim)
-    if name == "sab-pma":
-        return SetTransformer(2, 5, k, dim=dim, n_heads=config["n_heads"], n_layers=2, ln=ln)
-    if name == "isab-pma":
-        return SetTransformer(2, 5, k, dim=dim, n_heads=config["n_heads"], n_layers=2,
-                              n_inducing=config["n_inducing"], ln=ln)
-    raise ValueError(f"model must be one of {', '.join(MOG_MODELS)}, got {name!r}")
+    if name not in MOG_MODELS:
+        raise ValueError(f"model must be one of {', '.join(MOG_MODELS)}, got {name!r}")
+    scale = config.get("scale", "head")
+    if scale not in ("head", "width"):
+        raise ValueError(f"scale must be 'head' or 'width', got {scale!r}")
+    net = SetTransformer(2, 5, k, dim=dim, n_heads=config["n_heads"], n_layers=2, ln=ln,
+                         n_inducing=config["n_inducing"] if name == "isab-pma" else None)
+    if scale == "width":
+        for m in net.modules():
+            if isinstance(m, Multihead): m.scale_dim = m.dim
+    return net
 
 # %% ../nbs/05b_mog.ipynb #d7d8f051
 @dataclass
@@ -139,6 +145,7 @@ class MogConfig:
     n_heads: int = 4
     n_inducing: int = 16
     ln: bool = True                       # LayerNorm in every MAB (the authors' run.py: none)
+    scale: str = "head"                   # scores ÷ √(d/h), Eq. (3); "width": ÷ √d (authors')
     k: int = 4
     batch_size: int = 10                  # sets per step, one n for all
     lr: float = 1e-3
@@ -160,7 +167,7 @@ class MogConfig:
     log_every: int = 50
     eval_every: int = 1000
 
-MOG_RUN_KEYS = ("model", "dim", "n_heads", "n_inducing", "ln", "k", "batch_size", "lr",
+MOG_RUN_KEYS = ("model", "dim", "n_heads", "n_inducing", "ln", "scale", "k", "batch_size", "lr",
                 "decay_step", "n_min", "n_max", "eval_batches", "seed")
 
 def mog_task(cfg: MogConfig, device: Union[str, torch.device] = "cpu",

@@ -10,14 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .utils import compiling
+
 # %% auto #0
 __all__ = ['attention', 'Multihead', 'RFF', 'MAB', 'SAB', 'ISAB', 'PMA', 'SetTransformer']
 
 # %% ../nbs/05_set_transformer.ipynb #c9d30770
-def attention(Q: Tensor, K: Tensor, V: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+def attention(Q: Tensor, K: Tensor, V: Tensor, mask: Optional[Tensor] = None,
+              scale_dim: Optional[int] = None) -> Tensor:
     """Eq. (1): softmax(QKᵀ/√d_k) V. Q [..., n, d_k], K [..., m, d_k], V [..., m, d_v], mask
-    [..., m] (True = present) → [..., n, d_v]."""
-    d_k = Q.shape[-1]
+    [..., m] (True = present) → [..., n, d_v]; scale_dim replaces d_k under the root."""
+    d_k = Q.shape[-1] if scale_dim is None else scale_dim
     scores = Q @ K.transpose(-2, -1) / math.sqrt(d_k)           # QKᵀ/√d_k: [..., n, m]
     if mask is not None:
         # absent keys: weight e^{-∞} = 0
@@ -43,7 +46,7 @@ def _check_set(name: str, t: Tensor, dim: int, values: bool = True) -> None:
         raise ValueError(f"every set needs at least one present element; {name} has shape "
                          f"{list(t.shape)}, so all {t.shape[0]} sets are empty")
     # a NaN or ±inf anywhere reaches the sum: one reduction
-    if values and not torch.isfinite(t.sum()):
+    if values and not compiling() and not torch.isfinite(t.sum()):
         # [B], only then (or if the sum overflowed)
         bad = ~torch.isfinite(t).flatten(1).all(1)
         if bad.any():
@@ -61,6 +64,9 @@ def _check_mask(mask: Optional[Tensor], B: int, m: int) -> Optional[Tensor]:
     if tuple(mask.shape) != (B, m):
         raise ValueError(f"mask must have shape [B, m] = [{B}, {m}] (True = present), got "
                          f"{list(mask.shape)}")
+    # a value check: left to the eager code around a compiled region (Appendix A)
+    if compiling():
+        return mask
     present = mask.any(dim=-1)                                    # [B]
     if not present.all():
         raise ValueError(f"every set needs at least one present element; set(s) {_some(~present)} "
@@ -84,6 +90,8 @@ class Multihead(nn.Module):
         self.n_scores = 0                   # attention scores computed by the last forward
         # False: the line-by-line Eqs. (1)-(3) below; True: the same, faster
         self.fused = True
+        # scores ÷ √scale_dim; None: each head's width dim/h, Eq. (3); dim: the authors' code
+        self.scale_dim: Optional[int] = None
 
     def heads(self, Q: Tensor, K: Tensor, V: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         "The per-head projections QW^Q_j, KW^K_j, VW^V_j, each [B, h, rows, dim/h]."
@@ -110,17 +118,19 @@ class Multihead(nn.Module):
         "Q [B, n, dim_q], K and V [B, m, dim_kv], mask [B, m] → [B, n, dim]."
         # [B, 1, m]: the same keys for every head
         m = None if mask is None else mask[:, None, :]
+        s = self.scale_dim
         # one GEMM per input; the fused kernel pays off from ~2^16 scores per head
         if self.fused:
             Qh, Kh, Vh = self.fused_heads(Q, K, V)
             big = Qh.shape[2] * Kh.shape[2] >= 1 << 16
             O = (F.scaled_dot_product_attention(Qh, Kh, Vh,
-                                                attn_mask=None if m is None else m[:, :, None, :])
-                 if big else attention(Qh, Kh, Vh, m))
+                                                attn_mask=None if m is None else m[:, :, None, :],
+                                                scale=None if s is None else s ** -0.5)
+                 if big else attention(Qh, Kh, Vh, m, s))
         else:
             Qh, Kh, Vh = self.heads(Q, K, V)                          # [B, h, n|m, d/h]
             # O_j, Eq. (3): [B, h, n, d/h]
-            O = attention(Qh, Kh, Vh, m)
+            O = attention(Qh, Kh, Vh, m, s)
         self.n_scores = Qh.shape[0] * self.h * Qh.shape[2] * Kh.shape[2]
         # concat(O_1..O_h) W^O: [B, n, dim]
         return self.W_O(O.transpose(1, 2).flatten(-2))

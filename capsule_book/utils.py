@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['available_devices', 'pick_device', 'seed_everything', 'round_off', 'cpu_name']
+__all__ = ['available_devices', 'pick_device', 'seed_everything', 'round_off', 'cpu_name', 'compiling']
 
 # %% ../nbs/90_utils.ipynb #92a8acca
 def available_devices() -> list[str]:
@@ -59,3 +59,9 @@ def cpu_name() -> str:
             return next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
     except (OSError, StopIteration):
         return platform.processor() or "unknown CPU"
+
+# %% ../nbs/90_utils.ipynb #506a9748
+def compiling() -> bool:
+    """True while torch.compile traces the caller
+    (False on a torch without torch.compiler.is_compiling)."""
+    return bool(getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)())

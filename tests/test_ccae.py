@@ -552,3 +552,26 @@ def test_flat_rmsprop_makes_the_updates_of_rmsprop_and_resumes_exactly():
     assert all(torch.equal(a, b) for a, b in zip(flat.parameters(), copy.parameters()))
     with pytest.raises(ValueError, match="share one dtype"):
         FlatRMSprop(torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).double()]))
+
+
+def test_compiled_model_is_the_eager_model_in_training_and_evaluation():
+    "model.compiled = True (torch.compile): the same loss, every gradient and the same training noise."
+    eager, compiled = _official_small(), _official_small()
+    compiled.compiled = True
+    batches = [make_constellations(16, generator=torch.Generator().manual_seed(s)) for s in (0, 3)]
+    # batches with a different number of non-empty examples: the compiled graph's sizes are symbolic
+    assert len({int(b.presence.any(1).sum()) for b in batches}) == 2
+    for training, batch in ((True, batches[0]), (True, batches[1]), (False, batches[1])):
+        results = []
+        for model in (eager, compiled):
+            model.train(training)
+            model.zero_grad()
+            torch.manual_seed(7)                               # the same training noise
+            out = model(batch.points, batch.presence)
+            out.loss.backward()
+            results.append((out.loss.item(), torch.cat([q.grad.flatten() for q in model.parameters()]),
+                            torch.rand(1)))
+        (loss_e, grad_e, after_e), (loss_c, grad_c, after_c) = results
+        assert loss_c == pytest.approx(loss_e, rel=1e-5)
+        assert (grad_c - grad_e).abs().max() <= 1e-5 * grad_e.abs().max()
+        assert torch.equal(after_c, after_e)                   # as many random draws

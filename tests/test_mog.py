@@ -91,6 +91,39 @@ def test_without_layer_norm_from_the_command_line_to_the_loaded_model(tmp_path, 
                             **{**TINY, "dim": 16, "steps": 4}))
 
 
+def test_attention_scale_of_the_authors_from_the_command_line_to_the_loaded_model(tmp_path, capsys):
+    "--attention-scale width divides the scores by √d, as the authors' code; absent from a config: √(d/h)."
+    from capsule_book.set_transformer import Multihead, attention
+    torch.manual_seed(0)
+    Q, K, V = torch.randn(2, 5, 8), torch.randn(2, 7, 8), torch.randn(2, 7, 3)
+    torch.testing.assert_close(attention(Q, K, V, scale_dim=32),
+                               (Q @ K.transpose(1, 2) / math.sqrt(32)).softmax(-1) @ V)
+    # the fused kernel (from 2^16 scores per head) and the line-by-line heads agree on the scale
+    mh = Multihead(4, 4, 16, 4)
+    mh.scale_dim = 16
+    X, mask = torch.randn(1, 300, 4), torch.rand(1, 300) < 0.8
+    fused = mh(X, X, X, mask)
+    mh.fused = False
+    torch.testing.assert_close(fused, mh(X, X, X, mask), rtol=1e-4, atol=1e-5)
+    mh.scale_dim = None
+    assert (mh(X, X, X, mask) - fused).abs().max() > 1e-3          # √(d/h) is another function
+    small = ["--dim", "16", "--n-heads", "2", "--n-min", "20", "--n-max", "40", "--eval-batches", "2",
+             "--steps", "2", "--eval-every", "2", "--no-progress", "--device", "cpu", "--out", str(tmp_path)]
+    assert main(["train", "mog", "--model", "sab-pma", "--attention-scale", "width", *small]) == 0
+    capsys.readouterr()
+    model, ck = load_mog(tmp_path / "last.pt")
+    assert ck["config"]["scale"] == "width"
+    heads = lambda m: [x.scale_dim for x in m.modules() if isinstance(x, Multihead)]
+    assert heads(model) == [16] * 4                                  # 2 SABs, PMA, the SAB after it
+    old = {k: v for k, v in ck["config"].items() if k != "scale"}     # a run from before the flag
+    assert heads(mog_model(old)) == [None] * 4
+    with pytest.raises(ValueError, match="scale must be"):
+        mog_model({**old, "scale": "wide"})
+    with pytest.raises(CheckpointError, match="scale"):              # resuming with √(d/h): refused
+        train_mog(MogConfig(model="sab-pma", out=str(tmp_path), resume=True,
+                            **{**TINY, "dim": 16, "steps": 4}))
+
+
 def test_mixture_density_integrates_to_one_and_matches_torch_distributions():
     g = torch.Generator().manual_seed(3)
     X, _, (pi, mu, sig) = sample_mog(3, 50, generator=g)

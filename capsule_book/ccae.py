@@ -45,8 +45,7 @@ def sab_on_present_rows(sab: SAB, h: Tensor, rows: Tensor, mask: Tensor) -> Tens
     B, M = mask.shape
     mab, mh = sab.mab, sab.mab.multihead
     # QW^Q, KW^K, VW^V in one product: [P, 3·dim]
-    qkv = F.linear(h, torch.cat([mh.W_Q.weight, mh.W_K.weight, mh.W_V.weight]),
-                   torch.cat([mh.W_Q.bias, mh.W_K.bias, mh.W_V.bias]))
+    qkv = F.linear(h, *mh.stacked((mh.W_Q, mh.W_K, mh.W_V)))
     # attention needs the sets: rows set out as [B, M, 3·dim] (absent rows 0, never read)
     full = _set_out(qkv, rows, B, M)
     Q, K, V = full.view(B, M, 3, mh.h, mh.dim // mh.h).permute(2, 0, 3, 1, 4)   # [B, h, M, d/h]

@@ -107,12 +107,15 @@ class Multihead(nn.Module):
         elif K is V: layers, inputs = [lin[:1], lin[1:]], [Q, K]
         else: layers, inputs = [lin[:1], lin[1:2], lin[2:]], [Q, K, V]
         out = []
-        # [W_a W_b ...] stacked: one GEMM per input
         for group, x in zip(layers, inputs):
-            y = F.linear(x, torch.cat([l.weight for l in group]),
-                         torch.cat([l.bias for l in group]))
+            y = F.linear(x, *self.stacked(group))                     # one GEMM per input
             out += [split(t) for t in y.chunk(len(group), -1)]
         return tuple(out)
+
+    @staticmethod
+    def stacked(layers) -> tuple[Tensor, Tensor]:
+        "The weight and bias of nn.Linear `layers` stacked: [W_a; W_b; ...], [b_a; b_b; ...]."
+        return torch.cat([l.weight for l in layers]), torch.cat([l.bias for l in layers])
 
     def forward(self, Q: Tensor, K: Tensor, V: Tensor, mask: Optional[Tensor] = None) -> Tensor:
         "Q [B, n, dim_q], K and V [B, m, dim_kv], mask [B, m] → [B, n, dim]."

@@ -34,6 +34,11 @@ def _softmax_short_rows(s: Tensor) -> Tensor:
     e = (s - s.detach().amax(-1, keepdim=True)).exp()   # the shift cancels: no gradient through it
     return e / e.sum(-1, keepdim=True)
 
+def _matmul_short(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b for the short rows of attention; compiled (*Training*, below) as products and sums,
+    which the compiler fuses into one loop where a bmm of 11×11 is mostly overhead."""
+    return (a[..., :, :, None] * b[..., None, :, :]).sum(-2) if compiling() else a @ b
+
 def _set_out(packed: Tensor, rows: Tensor, B: int, M: int) -> Tensor:
     "Packed rows [P, c] at their flat indices `rows` of [B·M] → [B, M, c], absent rows 0."
     return packed.new_zeros(B * M, packed.shape[1]).index_copy(0, rows, packed).view(B, M, -1)
@@ -49,14 +54,9 @@ def sab_on_present_rows(sab: SAB, h: Tensor, rows: Tensor, mask: Tensor) -> Tens
     # attention needs the sets: rows set out as [B, M, 3·dim] (absent rows 0, never read)
     full = _set_out(qkv, rows, B, M)
     Q, K, V = full.view(B, M, 3, mh.h, mh.dim // mh.h).permute(2, 0, 3, 1, 4)   # [B, h, M, d/h]
-    # compiled (Training step, below): the M×M products of each head as one fused loop, where
-    # bmm's of 11×11 are mostly overhead; eager: bmm
-    fused = compiling()
-    scores = ((Q[..., :, None, :] * K[..., None, :, :]).sum(-1) if fused
-              else Q @ K.transpose(-2, -1)) / math.sqrt(Q.shape[-1])
+    scores = _matmul_short(Q, K.transpose(-2, -1)) / math.sqrt(Q.shape[-1])
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))    # absent keys: weight 0
-    w = _softmax_short_rows(scores)
-    O = (w[..., None] * V[..., None, :, :]).sum(-2) if fused else w @ V    # Eq. (1) per head
+    O = _matmul_short(_softmax_short_rows(scores), V)                       # Eq. (1) per head
     O = O.transpose(1, 2).reshape(B * M, mh.dim).index_select(0, rows)     # concat heads: [P, dim]
     H = mab.ln0(mab.W_R(h) + mh.W_O(O))                                     # Eq. (5)
     return mab.ln1(H + mab.rff(H))                                          # Eq. (4): [P, dim]

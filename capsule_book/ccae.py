@@ -39,6 +39,11 @@ def _matmul_short(a: Tensor, b: Tensor) -> Tensor:
     which the compiler fuses into one loop where a bmm of 11×11 is mostly overhead."""
     return (a[..., :, :, None] * b[..., None, :, :]).sum(-2) if compiling() else a @ b
 
+def _matmul_short_t(a: Tensor, b: Tensor) -> Tensor:
+    """a @ bᵀ as `_matmul_short`, compiled as products summed over the last dimension of both,
+    the one their rows hold contiguously."""
+    return (a[..., :, None, :] * b[..., None, :, :]).sum(-1) if compiling() else a @ b.mT
+
 def _set_out(packed: Tensor, rows: Tensor, B: int, M: int) -> Tensor:
     "Packed rows [P, c] at their flat indices `rows` of [B·M] → [B, M, c], absent rows 0."
     return packed.new_zeros(B * M, packed.shape[1]).index_copy(0, rows, packed).view(B, M, -1)
@@ -54,7 +59,7 @@ def sab_on_present_rows(sab: SAB, h: Tensor, rows: Tensor, mask: Tensor) -> Tens
     # attention needs the sets: rows set out as [B, M, 3·dim] (absent rows 0, never read)
     full = _set_out(qkv, rows, B, M)
     Q, K, V = full.view(B, M, 3, mh.h, mh.dim // mh.h).permute(2, 0, 3, 1, 4)   # [B, h, M, d/h]
-    scores = _matmul_short(Q, K.transpose(-2, -1)) / math.sqrt(Q.shape[-1])
+    scores = _matmul_short_t(Q, K) / math.sqrt(Q.shape[-1])
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))    # absent keys: weight 0
     O = _matmul_short(_softmax_short_rows(scores), V)                       # Eq. (1) per head
     O = O.transpose(1, 2).reshape(B * M, mh.dim).index_select(0, rows)     # concat heads: [P, dim]
@@ -451,8 +456,9 @@ def evaluate_ccae(model: CCAE, n: int = 10_000, batch_size: int = 32, seed: int 
 class FlatRMSprop(torch.optim.RMSprop):
     """torch.optim.RMSprop on one flat tensor holding all of `model`'s parameters: each parameter,
     and its gradient, becomes a view of it (load weights with `model.load_state_dict`, which copies
-    into the views; a parameter replaced by another tensor would no longer be trained)."""
-    def __init__(self, model: nn.Module, **kwargs):
+    into the views; a parameter replaced by another tensor would no longer be trained);
+    `compiled`: the same step as one compiled loop (*Training*, below)."""
+    def __init__(self, model: nn.Module, compiled: bool = False, **kwargs):
         params = list(model.parameters())
         if not params or len({(q.dtype, q.device) for q in params}) != 1:
             raise ValueError("FlatRMSprop needs a model whose parameters share one dtype and "
@@ -469,6 +475,7 @@ class FlatRMSprop(torch.optim.RMSprop):
         self.flat = nn.Parameter(flat)
         self.flat.grad = grad
         super().__init__([self.flat], **kwargs)
+        self.compiled = compiled
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         "Zero the flat gradient in place (the parameters' gradients are its views, never None)."
@@ -492,6 +499,39 @@ def _ccae_forward_compiled(self: CCAE, x: Tensor, present: Tensor) -> CCAEOutput
 
 CCAE._forward_compiled = _ccae_forward_compiled
 
+# %% ../nbs/08_ccae.ipynb #0b81eb72
+def _rmsprop_update(w: Tensor, g: Tensor, v: Tensor, m: Tensor, lr: Tensor, alpha: float,
+                    eps: float, momentum: float) -> None:
+    "torch's RMSprop step with momentum, in place: v ← αv + (1−α)g², m ← μm + g/(√v+ε), w ← w − ηm."
+    v.mul_(alpha).addcmul_(g, g, value=1 - alpha)
+    m.mul_(momentum).addcdiv_(g, v.sqrt().add_(eps))
+    w.sub_(m * lr)
+
+@torch.no_grad()
+def _flat_rmsprop_step(self: FlatRMSprop, closure=None):
+    """RMSprop's step; `self.compiled`: the same update as one compiled loop, η passed as a tensor
+    (no new compile when it changes)."""
+    group = self.param_groups[0]
+    plain = (not group["momentum"] or group["centered"] or group["weight_decay"]
+             or group["maximize"] or closure is not None)
+    if not self.compiled or plain:
+        return torch.optim.RMSprop.step(self, closure)
+    if "rmsprop" not in _COMPILED:
+        _COMPILED["rmsprop"] = torch.compile(_rmsprop_update, fullgraph=True, dynamic=False)
+    w = self.flat
+    state = self.state[w]
+    if not state:                                  # as torch's RMSprop starts its state
+        state.update(step=torch.tensor(0.0), square_avg=torch.zeros_like(w),
+                     momentum_buffer=torch.zeros_like(w))
+    if getattr(self, "_lr", None) is None or self._lr.device != w.device:
+        self._lr = torch.zeros((), dtype=w.dtype, device=w.device)
+    self._lr.fill_(group["lr"])
+    state["step"] += 1
+    _COMPILED["rmsprop"](w, w.grad, state["square_avg"], state["momentum_buffer"], self._lr,
+                         group["alpha"], group["eps"], group["momentum"])
+
+FlatRMSprop.step = _flat_rmsprop_step
+
 # %% ../nbs/08_ccae.ipynb #46cb84ff
 def ccae_task(model: CCAE, batch_size: int = 32, lr: float = 1e-4, seed: int = 0,
               optimizer: str = "rmsprop", lr_decay: float = 1.0, decay_steps: int = 10_000,
@@ -511,7 +551,8 @@ def ccae_task(model: CCAE, batch_size: int = 32, lr: float = 1e-4, seed: int = 0
                          f"{decay_steps}")
     if batch_size < 1: raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     if optimizer == "rmsprop":
-        opt = FlatRMSprop(model, lr=lr, alpha=0.9, momentum=0.9, eps=0.1 / batch_size)
+        opt = FlatRMSprop(model, compiled=model.compiled, lr=lr, alpha=0.9, momentum=0.9,
+                          eps=0.1 / batch_size)
     elif optimizer == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=lr)
     else:

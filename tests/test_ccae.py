@@ -554,6 +554,45 @@ def test_flat_rmsprop_makes_the_updates_of_rmsprop_and_resumes_exactly():
         FlatRMSprop(torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).double()]))
 
 
+def test_compiled_flat_rmsprop_is_rmsprop_and_compiles_once_for_any_learning_rate():
+    "FlatRMSprop(compiled=True): torch's update to round-off, its state, and no new compile per η."
+    from capsule_book.ccae import FlatRMSprop
+    kw = dict(alpha=0.9, momentum=0.9, eps=0.1 / 8)
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+    eager, compiled = net(), net()
+    opts = FlatRMSprop(eager, lr=1e-3, **kw), FlatRMSprop(compiled, compiled=True, lr=1e-3, **kw)
+    g = torch.Generator().manual_seed(3)
+    for step, lr in enumerate([1e-3, 5e-4, 2e-4, 1e-4, 7e-5]):
+        grad = torch.randn(opts[0].flat.shape, generator=g)
+        for opt in opts:
+            opt.param_groups[0]["lr"] = lr
+            opt.flat.grad.copy_(grad)
+            if step < 2:
+                opt.step()
+            else:                                  # compiled in the first steps: no compile after
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    opt.step()
+    # the weights moved, and moved alike: the parameters are views of the updated flat tensor
+    assert not torch.equal(eager[0].weight, net()[0].weight)
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+    (se, sc) = (o.state[o.flat] for o in opts)
+    assert set(sc) == set(se) and sc["step"].item() == se["step"].item() == 5
+    for key in ("square_avg", "momentum_buffer"):
+        assert torch.allclose(sc[key], se[key], rtol=1e-5, atol=1e-9)
+    # its state is RMSprop's: an eager optimiser resumes it from a checkpoint
+    buf = io.BytesIO(); torch.save({"model": compiled.state_dict(), "opt": opts[1].state_dict()}, buf)
+    buf.seek(0); ck = torch.load(buf)
+    resumed = net(); resumed_opt = FlatRMSprop(resumed, lr=7e-5, **kw)
+    resumed.load_state_dict(ck["model"]); resumed_opt.load_state_dict(ck["opt"])
+    grad = torch.randn(opts[0].flat.shape, generator=g)
+    for opt in (opts[1], resumed_opt):
+        opt.flat.grad.copy_(grad); opt.step()
+    assert torch.allclose(resumed_opt.flat, opts[1].flat, rtol=1e-6, atol=1e-7)
+
+
 def test_compiled_model_is_the_eager_model_in_training_and_evaluation():
     "model.compiled = True (torch.compile): the same loss, every gradient and the same training noise."
     eager, compiled = _official_small(), _official_small()

@@ -476,6 +476,7 @@ class FlatRMSprop(torch.optim.RMSprop):
         self.flat.grad = grad
         super().__init__([self.flat], **kwargs)
         self.compiled = compiled
+        self._lr = torch.zeros((), dtype=flat.dtype, device=flat.device)   # η for the compiled step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         "Zero the flat gradient in place (the parameters' gradients are its views, never None)."
@@ -523,8 +524,6 @@ def _flat_rmsprop_step(self: FlatRMSprop, closure=None):
     if not state:                                  # as torch's RMSprop starts its state
         state.update(step=torch.tensor(0.0), square_avg=torch.zeros_like(w),
                      momentum_buffer=torch.zeros_like(w))
-    if getattr(self, "_lr", None) is None or self._lr.device != w.device:
-        self._lr = torch.zeros((), dtype=w.dtype, device=w.device)
     self._lr.fill_(group["lr"])
     state["step"] += 1
     _COMPILED["rmsprop"](w, w.grad, state["square_avg"], state["momentum_buffer"], self._lr,

@@ -12,8 +12,10 @@ oracle's and the paper's table. The default is the paper's recipe: Adam, lr 1e-3
 --speed times one training step (forward, backward, Adam) at the recipe's sizes — a batch of 10 sets of 450 points,
 an encoder of two ISABs with 32 inducing points, width 128, 4 heads — for a direct transcription of the authors'
 modules (juho-lee/set_transformer modules.py: separate nn.Linear per projection, heads split and joined with
-torch.cat, LayerNorm off as in their run.py) against capsule_book's SetTransformer (fused path and line-by-line
-path), in interleaved rounds on one thread, and prints the medians and ratios.
+torch.cat, LayerNorm off as in their run.py) against capsule_book's SetTransformer (fused path, with the attention
+of the ISABs and PMA regrouped by Eqs. (5.1)-(5.2) of chapter 5, and line-by-line path), in interleaved rounds on
+one thread, and prints the medians and ratios, with the floating-point operations of each step's matrix products
+(torch's FlopCounterMode): the work each model does, whatever its speed.
 """
 import argparse
 import json
@@ -116,7 +118,18 @@ def speed(rounds: int = 7, steps: int = 3, n: int = 450) -> dict:
             if r: times[k].append((time.perf_counter() - t0) / steps)     # round 0 warms up
     med = {k: statistics.median(v) for k, v in times.items()}
     ref = med["authors' modules"]
-    return {k: {"ms": round(1000 * v, 1), "speed-up": round(ref / v, 2)} for k, v in med.items()}   # over the authors'
+    flops = {k: step_flops(m, X) for k, m in models.items()}
+    return {k: {"ms": round(1000 * v, 1), "speed-up": round(ref / v, 2),        # over the authors'
+                "gflop": round(flops[k] / 1e9, 2)} for k, v in med.items()}
+
+
+def step_flops(model: nn.Module, X: torch.Tensor) -> int:
+    "Floating-point operations of the matrix products of one forward and backward, as torch counts them."
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as fc:
+        mog_nll(model(X), X).backward()
+    model.zero_grad()
+    return fc.get_total_flops()
 
 
 def main() -> None:
@@ -132,8 +145,9 @@ def main() -> None:
     args = p.parse_args()
     if args.speed:
         res = speed(args.rounds)
-        print("| model (batch 10 × 450 points, ISAB(32) encoder, 1 thread) | ms per step | speed-up |\n|---|---|---|")
-        for k, v in res.items(): print(f"| {k} | {v['ms']} | {v['speed-up']}× |")
+        print("| model (batch 10 × 450 points, ISAB(32) encoder, 1 thread) | ms per step | speed-up | GFLOP per step |"
+              "\n|---|---|---|---|")
+        for k, v in res.items(): print(f"| {k} | {v['ms']} | {v['speed-up']}× | {v['gflop']} |")
         print(json.dumps(res))
         if args.out: Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
         return

@@ -242,3 +242,100 @@ def test_an_empty_set_is_refused_like_an_all_masked_one(name):
     with pytest.raises(ValueError, match=r"every set needs at least one present element; set\(s\) \[1\] have none"):
         block(torch.randn(2, 3, width, dtype=torch.float64), mask)
     assert block(torch.zeros(0, 3, width, dtype=torch.float64)).shape[0] == 0   # no set at all is no empty set
+
+
+# Eqs. (5.1)-(5.2): attention regrouped so that the projections act on the short side
+
+
+@pytest.mark.parametrize("case", ["few queries", "few queries, masked", "shared queries", "few queries, y_map",
+                                  "few keys"])
+def test_regrouped_attention_is_eqs_1_to_3_in_value_and_every_gradient(case):
+    from capsule_book.set_transformer import attend_few_keys, attend_few_queries
+    torch.manual_seed(3)
+    mh = Multihead(dim_q=6, dim_kv=5, dim=12, n_heads=3).double()
+    mh.fused = False                                     # the reference: Eqs. (1)-(3) line by line
+    few_keys = case == "few keys"
+    n, m = (30, 4) if few_keys else (3, 30)
+    X = torch.randn(2 if case != "shared queries" else 1, n, 6, dtype=torch.float64, requires_grad=True)
+    Y = torch.randn(2, m, 5, dtype=torch.float64, requires_grad=True)
+    mask = (torch.rand(2, m) < 0.6) | (torch.arange(m) == 0) if case.endswith("masked") else None
+    W2 = torch.nn.Linear(5, 5).double() if case.endswith("y_map") else None
+    Yk = Y if W2 is None else W2(Y)
+    ref = mh(X.expand(2, -1, -1), Yk, Yk, mask)
+    out = attend_few_keys(mh, X, Y) if few_keys else attend_few_queries(mh, X, Y, mask, W2)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    params = [X, Y, *mh.parameters(), *([] if W2 is None else W2.parameters())]
+    g = torch.randn_like(ref)
+    for a, b, p in zip(torch.autograd.grad(ref, params, g, allow_unused=True),
+                       torch.autograd.grad(out, params, g, allow_unused=True), params):
+        if b is None:                                    # only b^K of the few-queries form: it cancels
+            assert not few_keys and p is mh.W_K.bias and a.abs().max() < 1e-12
+        else:
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+
+
+def test_written_out_backwards_pass_gradcheck():
+    from capsule_book.set_transformer import _FewKeys, _FewQueries
+    torch.manual_seed(4)
+    d = dict(dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[True, True, False, True, False], [True, False, False, False, False]])
+    assert torch.autograd.gradcheck(lambda G, Y: _FewQueries.apply(G, Y, mask),
+                                    (torch.randn(1, 4, 3, **d), torch.randn(2, 5, 3, **d)))
+    assert torch.autograd.gradcheck(lambda G, Y: _FewQueries.apply(G, Y, None),
+                                    (torch.randn(2, 4, 3, **d), torch.randn(2, 5, 3, **d)))
+    assert torch.autograd.gradcheck(lambda X, G, c, U: _FewKeys.apply(X, G, c, U, 2),
+                                    (torch.randn(2, 5, 3, **d), torch.randn(2, 6, 3, **d), torch.randn(2, 6, **d),
+                                     torch.randn(2, 6, 4, **d)))
+
+
+def test_plan_regroups_where_it_saves_multiply_adds_and_torch_counts_the_saving():
+    from torch.utils.flop_counter import FlopCounterMode
+    torch.manual_seed(5)
+    isab = ISAB(128, 128, 4, n_inducing=16)              # the recipe's second ISAB(16) at n = 450
+    assert isab.mab0.multihead.plan(16, 450) == "few queries" and isab.mab1.multihead.plan(450, 16) == "few keys"
+    assert Multihead(128, 128, 128, 4).plan(450, 450) == "heads"
+    X = torch.randn(2, 450, 128)
+    flops = {}
+    for fused in (False, True):
+        for mod in isab.modules():
+            if isinstance(mod, Multihead):
+                mod.fused = fused
+        with FlopCounterMode(display=False) as fc:
+            out = isab(X)
+        flops[fused] = fc.get_total_flops()
+        if not fused:
+            ref = out
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    # per set: Q, K, V, W^O on 450 rows and 2·450·16·128 for each attention, against 2·(450·128·64) each MAB
+    assert flops[True] < 0.75 * flops[False], flops
+
+
+@pytest.mark.parametrize("kind", ["isab16", "isab32-noln", "sab-width"])
+def test_fused_set_transformer_trains_like_the_line_by_line_one_in_float32(kind):
+    "Loss and every gradient of the whole model, masked batch: the regrouped blocks are the same function."
+    torch.manual_seed(6)
+    n_inducing = None if kind.startswith("sab") else int(kind[4:6])
+    models = []
+    for fused in (True, False):
+        torch.manual_seed(6)
+        net = SetTransformer(2, 5, 4, dim=64, n_heads=4, n_layers=2, n_inducing=n_inducing, ln="noln" not in kind)
+        for mod in net.modules():
+            if isinstance(mod, Multihead):
+                mod.fused = fused
+                mod.scale_dim = mod.dim if kind.endswith("width") else None
+        models.append(net)
+    X = torch.randn(3, 200, 2) * 2
+    mask = torch.arange(200) < torch.tensor([[200], [150], [37]])
+    losses, grads = [], []
+    for net in models:
+        out = net(X, mask)
+        loss = out.square().mean()
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({k: p.grad for k, p in net.named_parameters() if p.grad is not None})
+    assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[1])
+    for k, g in grads[1].items():
+        if k.endswith("W_K.bias"):                       # its true gradient is 0: cancels in every softmax
+            assert g.abs().max() < 1e-4 * max(v.abs().max() for v in grads[1].values())
+            continue
+        torch.testing.assert_close(grads[0][k], g, rtol=0, atol=1e-4 * g.abs().max().item() + 1e-7, msg=k)

@@ -512,11 +512,17 @@ _COMPILED: dict = {}                     # the compiled CCAE._forward, made on f
 
 def _ccae_forward_compiled(self: CCAE, x: Tensor, present: Tensor) -> CCAEOutput:
     """CCAE._forward through torch.compile: dynamic sizes (the batch, the packed encoder's
-    present rows), PyTorch's own random draws; the same function as the eager one."""
+    present rows) but a fixed number M of points a set, PyTorch's own random draws, no shape
+    checks in the compiled code; the same function as the eager one."""
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
     if "forward" not in _COMPILED:
-        _COMPILED["forward"] = torch.compile(_ccae_forward_kept, dynamic=True)
+        # the generated code's checks of every buffer's size and alignment: ~250 calls a step
+        _COMPILED["forward"] = torch.compile(
+            _ccae_forward_kept, dynamic=True,
+            options=dict(size_asserts=False, scalar_asserts=False, alignment_asserts=False))
+    # M a constant of the graph (a new M compiles anew): loops of a fixed length over the points
+    torch._dynamo.mark_static(x, 1); torch._dynamo.mark_static(present, 1)
     # nonzero (the present rows) has a data-dependent size: traced, not a graph break
     with dynamo_config.patch(capture_dynamic_output_shape_ops=True), \
             inductor_config.patch(fallback_random=True):

@@ -23,10 +23,11 @@ from .train import (RunResult, SyntheticStream, Task, UserError, fit, load_check
                                 trained_weights)
 
 # %% auto #0
-__all__ = ['OFFICIAL_WEIGHTS', 'OFFICIAL_MODEL', 'OFFICIAL_TEMPLATE_INIT', 'sab_on_present_rows', 'OfficialCapsuleEncoder',
-           'competitive_attention', 'capsule_encoder', 'BatchLinear', 'BatchMLP', 'geometric_transform', 'CapsuleVotes',
-           'capsule_votes', 'vote_mixture', 'ccae_losses', 'ccae_loss', 'CCAEOutput', 'CCAE', 'evaluate_ccae',
-           'FlatRMSprop', 'ccae_task', 'train_ccae', 'load_ccae', 'plot_ccae', 'plot_ccae_history']
+__all__ = ['OFFICIAL_WEIGHTS', 'OFFICIAL_MODEL', 'OFFICIAL_TEMPLATE_INIT', 'sab_on_present_rows', 'first_sab_on_present_rows',
+           'OfficialCapsuleEncoder', 'competitive_attention', 'capsule_encoder', 'BatchLinear', 'BatchMLP',
+           'geometric_transform', 'CapsuleVotes', 'capsule_votes', 'vote_mixture', 'ccae_losses', 'ccae_loss',
+           'CCAEOutput', 'CCAE', 'evaluate_ccae', 'FlatRMSprop', 'ccae_task', 'train_ccae', 'load_ccae', 'plot_ccae',
+           'plot_ccae_history']
 
 # %% ../nbs/08_ccae.ipynb #3cfddc21
 def _softmax_short_rows(s: Tensor) -> Tensor:
@@ -66,17 +67,40 @@ def sab_on_present_rows(sab: SAB, h: Tensor, rows: Tensor, mask: Tensor) -> Tens
     H = mab.ln0(mab.W_R(h) + mh.W_O(O))                                     # Eq. (5)
     return mab.ln1(H + mab.rff(H))                                          # Eq. (4): [P, dim]
 
+# %% ../nbs/08_ccae.ipynb #63bc2600
+def first_sab_on_present_rows(enc: nn.Module, X: Tensor, rows: Tensor, mask: Tensor) -> Tensor:
+    """SAB_1(X W_in) of the official encoder on the present rows `rows` [P] of X [B, M, 2]
+    (mask [B, M]), its projections folded into the affine embedding → [P, dim]."""
+    B, M, _ = X.shape
+    mab, mh = enc.sabs[0].mab, enc.sabs[0].mab.multihead
+    h, d = mh.h, mh.dim // mh.h
+    x1 = torch.cat([X, X.new_ones(B, M, 1)], -1)[:, None]                   # x̃: [B, 1, M, 3]
+    W_in = torch.cat([enc.embed.weight, enc.embed.bias[:, None]], 1)          # W̃_in: [dim, 3]
+    # W̃_j = W_j W̃_in + [0 0 b_j] of Q, K, V: [h, d/h, 3]
+    Wq, Wk, Wv = ((l.weight @ W_in + F.pad(l.bias[:, None], (2, 0))).view(h, d, 3)
+                  for l in (mh.W_Q, mh.W_K, mh.W_V))
+    G = Wq.mT @ Wk / math.sqrt(d)                                             # G_j: [h, 3, 3]
+    scores = _matmul_short_t(_matmul_short(x1, G), x1)                        # s_j: [B, h, M, M]
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))      # absent keys: weight 0
+    u = _matmul_short(_softmax_short_rows(scores), x1)                        # u_j: [B, h, M, 3]
+    u = u.transpose(1, 2).reshape(B * M, 3 * h).index_select(0, rows)        # [P, 3h]
+    # F_j = W^O_j W̃^V_j side by side: [dim, 3h]
+    F_ = (mh.W_O.weight.view(-1, h, d).transpose(0, 1) @ Wv).transpose(0, 1).reshape(-1, 3 * h)
+    x1 = x1.reshape(B * M, 3).index_select(0, rows)                          # [P, 3]
+    # h + Multihead(h), Eq. (5): [P, dim]
+    H = mab.ln0(F.linear(torch.cat([x1, u], 1), torch.cat([W_in, F_], 1), mh.W_O.bias))
+    return mab.ln1(H + mab.rff(H))                                            # Eq. (4): [P, dim]
+
 def _points_on_present_rows(enc: nn.Module, X: Tensor, mask: Tensor) -> Tensor:
     """Z W of the official encoder (embedding, SABs, Z W) on the present points only →
     [B, M, dim_out], absent rows 0."""
     B, M, _ = X.shape
     rows = mask.flatten().nonzero().squeeze(1)                              # [P]
-    h = enc.embed(X.reshape(B * M, -1).index_select(0, rows))               # [P, dim]
-    for sab in enc.sabs:
+    h = first_sab_on_present_rows(enc, X, rows, mask)                       # [P, dim]
+    for sab in enc.sabs[1:]:
         h = sab_on_present_rows(sab, h, rows, mask)
     z = enc.z(h)                                                            # [P, dim_out]
     return _set_out(z, rows, B, M)
-
 
 # %% ../nbs/08_ccae.ipynb #a4b228bb
 class OfficialCapsuleEncoder(nn.Module):
@@ -488,11 +512,17 @@ _COMPILED: dict = {}                     # the compiled CCAE._forward, made on f
 
 def _ccae_forward_compiled(self: CCAE, x: Tensor, present: Tensor) -> CCAEOutput:
     """CCAE._forward through torch.compile: dynamic sizes (the batch, the packed encoder's
-    present rows), PyTorch's own random draws; the same function as the eager one."""
+    present rows) but a fixed number M of points a set, PyTorch's own random draws, no shape
+    checks in the compiled code; the same function as the eager one."""
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
     if "forward" not in _COMPILED:
-        _COMPILED["forward"] = torch.compile(_ccae_forward_kept, dynamic=True)
+        # the generated code's checks of every buffer's size and alignment: ~250 calls a step
+        _COMPILED["forward"] = torch.compile(
+            _ccae_forward_kept, dynamic=True,
+            options=dict(size_asserts=False, scalar_asserts=False, alignment_asserts=False))
+    # M a constant of the graph (a new M compiles anew): loops of a fixed length over the points
+    torch._dynamo.mark_static(x, 1); torch._dynamo.mark_static(present, 1)
     # nonzero (the present rows) has a data-dependent size: traced, not a graph break
     with dynamo_config.patch(capture_dynamic_output_shape_ops=True), \
             inductor_config.patch(fallback_random=True):

@@ -614,3 +614,30 @@ def test_compiled_model_is_the_eager_model_in_training_and_evaluation():
         assert loss_c == pytest.approx(loss_e, rel=1e-5)
         assert (grad_c - grad_e).abs().max() <= 1e-5 * grad_e.abs().max()
         assert torch.equal(after_c, after_e)                   # as many random draws
+
+
+def test_folded_first_sab_is_the_layer_as_written():
+    "first_sab_on_present_rows (projections folded into the embedding) = SAB_1(embedding): output and every gradient."
+    from capsule_book.ccae import OfficialCapsuleEncoder, first_sab_on_present_rows, sab_on_present_rows
+    torch.manual_seed(0)
+    enc = OfficialCapsuleEncoder(3, 32, dim=64, n_heads=4, n_layers=2)
+    batch = make_constellations(16, generator=torch.Generator().manual_seed(3))
+    X, mask = batch.points[batch.presence.any(1)], batch.presence[batch.presence.any(1)].bool()
+    assert not mask.all()
+    rows = mask.flatten().nonzero().squeeze(1)
+    target = torch.randn(len(rows), 64, generator=torch.Generator().manual_seed(1))
+    results = []
+    for folded in (True, False):
+        enc.zero_grad()
+        h = (first_sab_on_present_rows(enc, X, rows, mask) if folded else
+             sab_on_present_rows(enc.sabs[0], enc.embed(X.reshape(-1, 2)[rows]), rows, mask))
+        (h * target).sum().backward()
+        results.append((h.detach(), {n: torch.zeros_like(q) if q.grad is None else q.grad.clone()
+                                     for n, q in enc.named_parameters()}))
+    (h_f, g_f), (h_w, g_w) = results
+    assert torch.allclose(h_f, h_w, rtol=1e-5, atol=1e-5)
+    for name, g in g_w.items():
+        if name.startswith("sabs.0") or name.startswith("embed"):
+            # the gradient of the keys' bias is 0 in exact arithmetic (a constant per query row)
+            assert torch.allclose(g_f[name], g, rtol=1e-4, atol=1e-5 * g_w[name].abs().max() + 1e-6), name
+    assert g_w["embed.weight"].abs().sum() > 0 and g_f["embed.weight"].abs().sum() > 0

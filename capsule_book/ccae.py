@@ -60,12 +60,12 @@ def sab_on_present_rows(sab: SAB, h: Tensor, rows: Tensor, mask: Tensor) -> Tens
     # attention needs the sets: rows set out as [B, M, 3·dim] (absent rows 0, never read)
     full = _set_out(qkv, rows, B, M)
     Q, K, V = full.view(B, M, 3, mh.h, mh.dim // mh.h).permute(2, 0, 3, 1, 4)   # [B, h, M, d/h]
-    scores = _matmul_short_t(Q, K) / math.sqrt(Q.shape[-1])
+    # ÷ √(d/h), Eq. (3), or √scale_dim where it is set (Chapter 5)
+    scores = _matmul_short_t(Q, K) / math.sqrt(mh.scale_dim or Q.shape[-1])
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))    # absent keys: weight 0
     O = _matmul_short(_softmax_short_rows(scores), V)                       # Eq. (1) per head
     O = O.transpose(1, 2).reshape(B * M, mh.dim).index_select(0, rows)     # concat heads: [P, dim]
-    H = mab.ln0(mab.W_R(h) + mh.W_O(O))                                     # Eq. (5)
-    return mab.ln1(H + mab.rff(H))                                          # Eq. (4): [P, dim]
+    return mab.feed_forward(mab.ln0(mab.W_R(h) + mh.W_O(O)))               # Eqs. (5), (4): [P, dim]
 
 # %% ../nbs/08_ccae.ipynb #63bc2600
 def first_sab_on_present_rows(enc: nn.Module, X: Tensor, rows: Tensor, mask: Tensor) -> Tensor:
@@ -73,23 +73,23 @@ def first_sab_on_present_rows(enc: nn.Module, X: Tensor, rows: Tensor, mask: Ten
     (mask [B, M]), its projections folded into the affine embedding → [P, dim]."""
     B, M, _ = X.shape
     mab, mh = enc.sabs[0].mab, enc.sabs[0].mab.multihead
-    h, d = mh.h, mh.dim // mh.h
+    h, dh = mh.h, mh.dim // mh.h                                              # heads, d/h
     x1 = torch.cat([X, X.new_ones(B, M, 1)], -1)[:, None]                   # x̃: [B, 1, M, 3]
     W_in = torch.cat([enc.embed.weight, enc.embed.bias[:, None]], 1)          # W̃_in: [dim, 3]
     # W̃_j = W_j W̃_in + [0 0 b_j] of Q, K, V: [h, d/h, 3]
-    Wq, Wk, Wv = ((l.weight @ W_in + F.pad(l.bias[:, None], (2, 0))).view(h, d, 3)
+    Wq, Wk, Wv = ((l.weight @ W_in + F.pad(l.bias[:, None], (2, 0))).view(h, dh, 3)
                   for l in (mh.W_Q, mh.W_K, mh.W_V))
-    G = Wq.mT @ Wk / math.sqrt(d)                                             # G_j: [h, 3, 3]
+    G = Wq.mT @ Wk / math.sqrt(mh.scale_dim or dh)                            # G_j: [h, 3, 3]
     scores = _matmul_short_t(_matmul_short(x1, G), x1)                        # s_j: [B, h, M, M]
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))      # absent keys: weight 0
     u = _matmul_short(_softmax_short_rows(scores), x1)                        # u_j: [B, h, M, 3]
     u = u.transpose(1, 2).reshape(B * M, 3 * h).index_select(0, rows)        # [P, 3h]
     # F_j = W^O_j W̃^V_j side by side: [dim, 3h]
-    F_ = (mh.W_O.weight.view(-1, h, d).transpose(0, 1) @ Wv).transpose(0, 1).reshape(-1, 3 * h)
+    F_ = (mh.W_O.weight.view(-1, h, dh).transpose(0, 1) @ Wv).transpose(0, 1).reshape(-1, 3 * h)
     x1 = x1.reshape(B * M, 3).index_select(0, rows)                          # [P, 3]
     # h + Multihead(h), Eq. (5): [P, dim]
     H = mab.ln0(F.linear(torch.cat([x1, u], 1), torch.cat([W_in, F_], 1), mh.W_O.bias))
-    return mab.ln1(H + mab.rff(H))                                            # Eq. (4): [P, dim]
+    return mab.feed_forward(H)                                                # Eq. (4): [P, dim]
 
 def _points_on_present_rows(enc: nn.Module, X: Tensor, mask: Tensor) -> Tensor:
     """Z W of the official encoder (embedding, SABs, Z W) on the present points only →

@@ -231,9 +231,9 @@ def attend_few_keys(mh: "Multihead", X: Tensor, Y: Tensor) -> Tensor:
     B, m = Y.shape[:2]
     K, V = mh.W_K(Y).unflatten(-1, (h, e)), mh.W_V(Y).unflatten(-1, (h, e))  # [B, m, h, e]
     W_Q, b_Q = _per_head(mh.W_Q, h)                                           # [h, e, dim_q]
-    r = math.sqrt(mh.scale_dim or e)
-    G = torch.einsum("blhe,hec->bhlc", K, W_Q).flatten(1, 2) / r         # g_jl: [B, h·m, dim_q]
-    c = torch.einsum("blhe,he->bhl", K, b_Q).flatten(1) / r                   # c_jl: [B, h·m]
+    root_s = math.sqrt(mh.scale_dim or e)
+    G = torch.einsum("blhe,hec->bhlc", K, W_Q).flatten(1, 2) / root_s    # g_jl: [B, h·m, dim_q]
+    c = torch.einsum("blhe,he->bhl", K, b_Q).flatten(1) / root_s              # c_jl: [B, h·m]
     W_O = mh.W_O.weight.unflatten(1, (h, e))                                  # [dim, h, e]
     # u_jl: [B, h·m, dim]
     U = (torch.einsum("blhe,dhe->bhld", V, W_O) + mh.W_O.bias / h).flatten(1, 2)
@@ -289,8 +289,11 @@ class MAB(nn.Module):
             Y = Y if y_map is None else y_map(Y)
             few_keys = plan == "few keys" and mask is None
             M = attend_few_keys(mh, X, Y) if few_keys else mh(X, Y, Y, mask)
-        H = self.ln0(self.W_R(X) + M)                                 # Eq. (5): [B, n, dim]
-        return self.ln1(H + self.rff(H))                              # Eq. (4): [B, n, dim]
+        return self.feed_forward(self.ln0(self.W_R(X) + M))           # Eqs. (5), (4): [B, n, dim]
+
+    def feed_forward(self, H: Tensor) -> Tensor:
+        "Eq. (4): LN(H + rFF(H)) on H [..., dim], row by row."
+        return self.ln1(H + self.rff(H))
 
 # %% ../nbs/05_set_transformer.ipynb #71728194
 class SAB(nn.Module):

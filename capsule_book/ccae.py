@@ -18,7 +18,7 @@ from .segmentation import segmentation_accuracy, segmentation_report
 from .gmm import (check_background, gmm_log_joint, gmm_log_likelihood,
                               gmm_log_likelihood_from_joint, gmm_posterior_from_joint)
 from .set_transformer import SAB, Multihead, SetTransformer, _check_mask, _check_set
-from .utils import compiling
+from .utils import compiling, inductor_cache_per_capability
 from .train import (RunResult, SyntheticStream, Task, UserError, fit, load_checkpoint,
                                 trained_weights)
 
@@ -517,6 +517,7 @@ def _ccae_forward_compiled(self: CCAE, x: Tensor, present: Tensor) -> CCAEOutput
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
     if "forward" not in _COMPILED:
+        inductor_cache_per_capability()          # a cache of its own per CPU capability (App. A)
         # the generated code's checks of every buffer's size and alignment: ~250 calls a step
         _COMPILED["forward"] = torch.compile(
             _ccae_forward_kept, dynamic=True,
@@ -548,6 +549,7 @@ def _flat_rmsprop_step(self: FlatRMSprop, closure=None):
     if not self.compiled or plain:
         return torch.optim.RMSprop.step(self, closure)
     if "rmsprop" not in _COMPILED:
+        inductor_cache_per_capability()
         _COMPILED["rmsprop"] = torch.compile(_rmsprop_update, fullgraph=True, dynamic=False)
     w = self.flat
     state = self.state[w]

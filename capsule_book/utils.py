@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['available_devices', 'pick_device', 'seed_everything', 'round_off', 'cpu_name', 'compiling']
+__all__ = ['available_devices', 'pick_device', 'seed_everything', 'round_off', 'cpu_name', 'compiling',
+           'inductor_cache_per_capability']
 
 # %% ../nbs/90_utils.ipynb #92a8acca
 def available_devices() -> list[str]:
@@ -65,3 +66,17 @@ def compiling() -> bool:
     """True while torch.compile traces the caller
     (False on a torch without torch.compiler.is_compiling)."""
     return bool(getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)())
+
+# %% ../nbs/90_utils.ipynb #3c1a7e21
+def inductor_cache_per_capability() -> str:
+    """Point torch.compile's on-disk cache (TORCHINDUCTOR_CACHE_DIR) at a folder of the CPU
+    kernels' capability in use (ATEN_CPU_CAPABILITY), inside the folder set or torch's default;
+    returns it."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    base = os.path.normpath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
+    if os.path.basename(base).startswith("cpu-"):     # a parent process's capability
+        base = os.path.dirname(base)
+    cap = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")()
+    folder = os.path.join(base, "cpu-" + cap.lower())
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    return folder

@@ -593,6 +593,43 @@ def test_compiled_flat_rmsprop_is_rmsprop_and_compiles_once_for_any_learning_rat
     assert torch.allclose(resumed_opt.flat, opts[1].flat, rtol=1e-6, atol=1e-7)
 
 
+_COMPILED_STEP_CHILD = """
+import torch
+from capsule_book.ccae import FlatRMSprop
+from capsule_book.utils import inductor_cache_per_capability
+torch.manual_seed(0); eager = torch.nn.Linear(7, 9)
+torch.manual_seed(0); compiled = torch.nn.Linear(7, 9)
+kw = dict(lr=1e-2, alpha=0.9, momentum=0.9, eps=1e-2)
+opts = FlatRMSprop(eager, **kw), FlatRMSprop(compiled, compiled=True, **kw)
+for s in range(3):
+    grad = torch.randn(opts[0].flat.shape, generator=torch.Generator().manual_seed(s))
+    for o in opts:
+        o.flat.grad.copy_(grad); o.step()
+print(torch.backends.cpu.get_cpu_capability(), inductor_cache_per_capability(),
+      (opts[0].flat - opts[1].flat).abs().max().item(), opts[0].flat.numel())
+"""
+
+
+def test_compiled_step_is_right_under_each_cpu_capability_with_one_cache_folder(tmp_path):
+    """Processes under different ATEN_CPU_CAPABILITY sharing TORCHINDUCTOR_CACHE_DIR: each compiles (or loads) its own
+    code, and the compiled RMSProp step is the eager one (torch 2.14's cache alone reuses one capability's code in another)."""
+    import os, subprocess, sys
+    caps = ("avx2", None, "default")          # None: the CPU's own (avx512 where it has it)
+    seen = []
+    for cap in caps:
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+        if cap: env["ATEN_CPU_CAPABILITY"] = cap
+        out = subprocess.run([sys.executable, "-c", _COMPILED_STEP_CHILD], env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        capability, folder, diff, n = out.stdout.split()[-4:]
+        assert folder == str(tmp_path / f"cpu-{capability.lower()}")
+        assert int(n) == 7 * 9 + 9 and float(diff) <= 1e-6
+        seen.append(capability)
+    assert seen[0] == "AVX2" and seen[2] == "DEFAULT"
+
+
 def test_compiled_model_is_the_eager_model_in_training_and_evaluation():
     "model.compiled = True (torch.compile): the same loss, every gradient and the same training noise."
     eager, compiled = _official_small(), _official_small()

@@ -15,7 +15,8 @@ modules (juho-lee/set_transformer modules.py: separate nn.Linear per projection,
 torch.cat, LayerNorm off as in their run.py) against capsule_book's SetTransformer (fused path, with the attention
 of the ISABs and PMA regrouped by Eqs. (5.1)-(5.2) of chapter 5, and line-by-line path), in interleaved rounds on
 one thread, and prints the medians and ratios, with the floating-point operations of each step's matrix products
-(torch's FlopCounterMode): the work each model does, whatever its speed.
+(torch's FlopCounterMode): the work each model does, whatever its speed; and the time of those matrix products
+alone (each replayed at its shapes, in the same rounds): what no change to the rest of the step can remove.
 """
 import argparse
 import json
@@ -97,7 +98,8 @@ def authors_set_transformer(num_inds=32, dim_hidden=128, num_heads=4, ln=False) 
 
 
 def speed(rounds: int = 7, steps: int = 3, n: int = 450) -> dict:
-    "Median seconds per training step of each model, measured in interleaved rounds on the same batch."
+    """Median seconds per training step of each model, and of its matrix products alone, measured in interleaved
+    rounds on the same batch."""
     torch.set_num_threads(1)
     X = sample_mog(10, n, generator=torch.Generator().manual_seed(0))[0]
     torch.manual_seed(0)
@@ -108,19 +110,50 @@ def speed(rounds: int = 7, steps: int = 3, n: int = 450) -> dict:
     models = {"authors' modules": authors_set_transformer(), "capsule_book, fused": ours,
               "capsule_book, line by line": plain}
     opts = {k: torch.optim.Adam(m.parameters(), 1e-3) for k, m in models.items()}
+    products = {k: step_products(m, X) for k, m in models.items()}      # the products alone
     times = {k: [] for k in models}
+    product_times = {k: [] for k in models}
     for r in range(rounds + 1):
         for k, m in models.items():
             t0 = time.perf_counter()
             for _ in range(steps):
                 loss = mog_nll(m(X), X)
                 opts[k].zero_grad(); loss.backward(); opts[k].step()
-            if r: times[k].append((time.perf_counter() - t0) / steps)     # round 0 warms up
+            t1 = time.perf_counter()
+            for _ in range(steps): products[k]()
+            if r:                                                   # round 0 warms up
+                times[k].append((t1 - t0) / steps); product_times[k].append((time.perf_counter() - t1) / steps)
     med = {k: statistics.median(v) for k, v in times.items()}
     ref = med["authors' modules"]
     flops = {k: step_flops(m, X) for k, m in models.items()}
     return {k: {"ms": round(1000 * v, 1), "speed-up": round(ref / v, 2),        # over the authors'
-                "gflop": round(flops[k] / 1e9, 2)} for k, v in med.items()}
+                "gflop": round(flops[k] / 1e9, 2),
+                "products ms": round(1000 * statistics.median(product_times[k]), 1)} for k, v in med.items()}
+
+
+def step_products(model: nn.Module, X: torch.Tensor):
+    """A function that runs the matrix products of one forward and backward of `model` on X alone: every
+    mm/bmm/addmm/baddbmm (or in place) that reaches torch's dispatcher, at its shapes, on contiguous random operands."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    aten = torch.ops.aten
+    products = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.addmm_.default, aten.baddbmm.default,
+                aten.baddbmm_.default}
+    g = torch.Generator().manual_seed(0)
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in products:
+                calls.append((func, [torch.randn(a.shape, generator=g) for a in args if isinstance(a, torch.Tensor)],
+                              kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        mog_nll(model(X), X).backward()
+    model.zero_grad()
+    def run():
+        for f, args, kw in calls: f(*args, **kw)
+    return run
 
 
 def step_flops(model: nn.Module, X: torch.Tensor) -> int:
@@ -145,11 +178,13 @@ def main() -> None:
     args = p.parse_args()
     if args.speed:
         res = speed(args.rounds)
-        print("| model (batch 10 × 450 points, ISAB(32) encoder, 1 thread) | ms per step | speed-up | GFLOP per step |"
-              "\n|---|---|---|---|")
-        for k, v in res.items(): print(f"| {k} | {v['ms']} | {v['speed-up']}× | {v['gflop']} |")
-        print(json.dumps(res))
-        if args.out: Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+        from capsule_book.utils import cpu_name
+        print("| model (batch 10 × 450 points, ISAB(32) encoder, 1 thread) | ms per step | speed-up | GFLOP per step "
+              "| its matrix products alone, ms |\n|---|---|---|---|---|")
+        for k, v in res.items(): print(f"| {k} | {v['ms']} | {v['speed-up']}× | {v['gflop']} | {v['products ms']} |")
+        record = {"cpu": cpu_name(), "threads": 1, "rounds": args.rounds, "models": res}
+        print(json.dumps(record))
+        if args.out: Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
         return
     print(f"torch threads {torch.get_num_threads()}, args {vars(args)}", flush=True)
     rows = {}

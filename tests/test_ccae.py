@@ -601,12 +601,13 @@ torch.manual_seed(0); eager = torch.nn.Linear(7, 9)
 torch.manual_seed(0); compiled = torch.nn.Linear(7, 9)
 kw = dict(lr=1e-2, alpha=0.9, momentum=0.9, eps=1e-2)
 opts = FlatRMSprop(eager, **kw), FlatRMSprop(compiled, compiled=True, **kw)
+start = opts[0].flat.detach().clone()
 for s in range(3):
     grad = torch.randn(opts[0].flat.shape, generator=torch.Generator().manual_seed(s))
     for o in opts:
         o.flat.grad.copy_(grad); o.step()
 print(torch.backends.cpu.get_cpu_capability(), inductor_cache_per_capability(),
-      (opts[0].flat - opts[1].flat).abs().max().item(), opts[0].flat.numel())
+      (opts[0].flat - opts[1].flat).abs().max().item(), (opts[0].flat - start).abs().max().item())
 """
 
 
@@ -623,9 +624,9 @@ def test_compiled_step_is_right_under_each_cpu_capability_with_one_cache_folder(
         out = subprocess.run([sys.executable, "-c", _COMPILED_STEP_CHILD], env=env, capture_output=True, text=True,
                              timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
-        capability, folder, diff, n = out.stdout.split()[-4:]
+        capability, folder, diff, moved = out.stdout.split()[-4:]
         assert folder == str(tmp_path / f"cpu-{capability.lower()}")
-        assert int(n) == 7 * 9 + 9 and float(diff) <= 1e-6
+        assert float(moved) > 1e-2 and float(diff) <= 1e-6       # the weights moved, and alike
         seen.append(capability)
     assert seen[0] == "AVX2" and seen[2] == "DEFAULT"
 

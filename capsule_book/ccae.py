@@ -18,7 +18,7 @@ from .segmentation import segmentation_accuracy, segmentation_report
 from .gmm import (check_background, gmm_log_joint, gmm_log_likelihood,
                               gmm_log_likelihood_from_joint, gmm_posterior_from_joint)
 from .set_transformer import SAB, Multihead, SetTransformer, _check_mask, _check_set
-from .utils import compiling, inductor_cache_per_capability
+from .utils import compiled, compiling
 from .train import (RunResult, SyntheticStream, Task, UserError, fit, load_checkpoint,
                                 trained_weights)
 
@@ -60,8 +60,7 @@ def sab_on_present_rows(sab: SAB, h: Tensor, rows: Tensor, mask: Tensor) -> Tens
     # attention needs the sets: rows set out as [B, M, 3·dim] (absent rows 0, never read)
     full = _set_out(qkv, rows, B, M)
     Q, K, V = full.view(B, M, 3, mh.h, mh.dim // mh.h).permute(2, 0, 3, 1, 4)   # [B, h, M, d/h]
-    # ÷ √(d/h), Eq. (3), or √scale_dim where it is set (Chapter 5)
-    scores = _matmul_short_t(Q, K) / math.sqrt(mh.scale_dim or Q.shape[-1])
+    scores = _matmul_short_t(Q, K) / math.sqrt(mh.score_scale)               # ÷ √s, Eq. (3)
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))    # absent keys: weight 0
     O = _matmul_short(_softmax_short_rows(scores), V)                       # Eq. (1) per head
     O = O.transpose(1, 2).reshape(B * M, mh.dim).index_select(0, rows)     # concat heads: [P, dim]
@@ -79,7 +78,7 @@ def first_sab_on_present_rows(enc: nn.Module, X: Tensor, rows: Tensor, mask: Ten
     # W̃_j = W_j W̃_in + [0 0 b_j] of Q, K, V: [h, d/h, 3]
     Wq, Wk, Wv = ((l.weight @ W_in + F.pad(l.bias[:, None], (2, 0))).view(h, dh, 3)
                   for l in (mh.W_Q, mh.W_K, mh.W_V))
-    G = Wq.mT @ Wk / math.sqrt(mh.scale_dim or dh)                            # G_j: [h, 3, 3]
+    G = Wq.mT @ Wk / math.sqrt(mh.score_scale)                                # G_j: [h, 3, 3]
     scores = _matmul_short_t(_matmul_short(x1, G), x1)                        # s_j: [B, h, M, M]
     scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))      # absent keys: weight 0
     u = _matmul_short(_softmax_short_rows(scores), x1)                        # u_j: [B, h, M, 3]
@@ -517,9 +516,8 @@ def _ccae_forward_compiled(self: CCAE, x: Tensor, present: Tensor) -> CCAEOutput
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
     if "forward" not in _COMPILED:
-        inductor_cache_per_capability()          # a cache of its own per CPU capability (App. A)
         # the generated code's checks of every buffer's size and alignment: ~250 calls a step
-        _COMPILED["forward"] = torch.compile(
+        _COMPILED["forward"] = compiled(                # torch.compile, a cache per CPU (App. A)
             _ccae_forward_kept, dynamic=True,
             options=dict(size_asserts=False, scalar_asserts=False, alignment_asserts=False))
     # M a constant of the graph (a new M compiles anew): loops of a fixed length over the points
@@ -549,8 +547,7 @@ def _flat_rmsprop_step(self: FlatRMSprop, closure=None):
     if not self.compiled or plain:
         return torch.optim.RMSprop.step(self, closure)
     if "rmsprop" not in _COMPILED:
-        inductor_cache_per_capability()
-        _COMPILED["rmsprop"] = torch.compile(_rmsprop_update, fullgraph=True, dynamic=False)
+        _COMPILED["rmsprop"] = compiled(_rmsprop_update, fullgraph=True, dynamic=False)
     w = self.flat
     state = self.state[w]
     if not state:                                  # as torch's RMSprop starts its state

@@ -118,6 +118,11 @@ class Multihead(nn.Module):
         "The weight and bias of nn.Linear `layers` stacked: [W_a; W_b; ...], [b_a; b_b; ...]."
         return torch.cat([l.weight for l in layers]), torch.cat([l.bias for l in layers])
 
+    @property
+    def score_scale(self) -> int:
+        "s, the scores divided by √s: scale_dim where it is set, else each head's width dim/h (Eq. 3)."
+        return self.scale_dim or self.dim // self.h
+
     def plan(self, n: int, m: int) -> str:
         """The way to attend with n queries to m keys in the fewest multiply-adds (per set):
         'heads' (Eqs. 1-3), 'few queries' (Eq. 5.1) or 'few keys' (Eq. 5.2), below."""
@@ -217,7 +222,7 @@ def attend_few_queries(mh: "Multihead", X: Tensor, Y: Tensor, mask: Optional[Ten
         b_V = b_V + W_V @ y_map.bias
         W_K, W_V = W_K @ y_map.weight, W_V @ y_map.weight
     # g_ij = W^K_j q_iᵀ / √s: [1|B, h·n, c]
-    G = torch.einsum("bihe,hec->bhic", q, W_K).flatten(1, 2) / math.sqrt(mh.scale_dim or e)
+    G = torch.einsum("bihe,hec->bhic", q, W_K).flatten(1, 2) / math.sqrt(mh.score_scale)
     # Σ_l ω_il y_l: [B, h, n, c]
     P = _FewQueries.apply(G, Y, mask).unflatten(1, (h, n))
     O = torch.einsum("bhic,hec->bihe", P, W_V) + b_V                     # heads O_j: [B, n, h, e]
@@ -231,7 +236,7 @@ def attend_few_keys(mh: "Multihead", X: Tensor, Y: Tensor) -> Tensor:
     B, m = Y.shape[:2]
     K, V = mh.W_K(Y).unflatten(-1, (h, e)), mh.W_V(Y).unflatten(-1, (h, e))  # [B, m, h, e]
     W_Q, b_Q = _per_head(mh.W_Q, h)                                           # [h, e, dim_q]
-    root_s = math.sqrt(mh.scale_dim or e)
+    root_s = math.sqrt(mh.score_scale)
     G = torch.einsum("blhe,hec->bhlc", K, W_Q).flatten(1, 2) / root_s    # g_jl: [B, h·m, dim_q]
     c = torch.einsum("blhe,he->bhl", K, b_Q).flatten(1) / root_s              # c_jl: [B, h·m]
     W_O = mh.W_O.weight.unflatten(1, (h, e))                                  # [dim, h, e]

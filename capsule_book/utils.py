@@ -13,7 +13,7 @@ import torch
 
 # %% auto #0
 __all__ = ['available_devices', 'pick_device', 'seed_everything', 'round_off', 'cpu_name', 'compiling',
-           'inductor_cache_per_capability']
+           'inductor_cache_per_capability', 'compiled']
 
 # %% ../nbs/90_utils.ipynb #92a8acca
 def available_devices() -> list[str]:
@@ -80,3 +80,8 @@ def inductor_cache_per_capability() -> str:
     folder = os.path.join(base, "cpu-" + cap.lower())
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
     return folder
+
+def compiled(fn, **kwargs):
+    "torch.compile(fn, **kwargs), its cache in the folder of this CPU capability."
+    inductor_cache_per_capability()
+    return torch.compile(fn, **kwargs)

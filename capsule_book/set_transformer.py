@@ -120,7 +120,7 @@ class Multihead(nn.Module):
 
     @property
     def score_scale(self) -> int:
-        "s, the scores divided by √s: scale_dim where it is set, else each head's width dim/h (Eq. 3)."
+        "s of the scores ÷ √s: scale_dim where it is set, else each head's width d/h (Eq. 3)."
         return self.scale_dim or self.dim // self.h
 
     def plan(self, n: int, m: int) -> str:

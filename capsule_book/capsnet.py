@@ -23,6 +23,7 @@ from .losses import MarginLoss, reconstruction_loss
 from .fourier_conv import fourier_conv2d, kernel_spectrum
 from .routing import Router
 from .squash import squash
+from .utils import check_finite, compiling
 from .train import (EpochStream, RunResult, Task, UserError, all_sum, fit,
                                 init_distributed, load_checkpoint, trained_weights)
 
@@ -99,14 +100,29 @@ class CapsNet(nn.Module):
                                      nn.Linear(1024, 784), nn.Sigmoid())
 
     def capsules(self, images: Tensor, return_coupling: bool = False):
-        """Digit capsules v [B,10,16] of `images` [B,1,28,28]
-        (and the coupling coefficients c [B,1152,10] if asked)."""
+        """Digit capsules v [B,10,16] of `images` [B,1,28,28], B >= 1, pixels in [0, 1], in the
+        weights' dtype (no conversion); and the coupling coefficients c [B,1152,10] if asked."""
         if images.dim() != 4 or tuple(images.shape[1:]) != (1, 28, 28):
             raise ValueError("CapsNet expects images of shape [B,1,28,28], got "
                              f"{list(images.shape)}")
         if not images.dtype.is_floating_point:
             raise TypeError(f"CapsNet expects float images in [0, 1], got {images.dtype}: convert "
                             "with images.float() / 255")
+        if images.dtype != self.conv1.weight.dtype:       # no silent conversion
+            w = self.conv1.weight.dtype
+            raise TypeError(f"CapsNet's weights are {w} and the images {images.dtype}: convert "
+                            f"the images with images.to({w}) (or the model with "
+                            f".to({images.dtype}))")
+        if len(images) == 0:
+            raise ValueError("CapsNet needs at least one image, got an empty batch [0, 1, 28, 28]")
+        if not compiling():
+            # pixels in [0, 1]: one reduction (NaN fails it too)
+            lo, hi = torch.aminmax(images.detach())
+            lo, hi = lo.item(), hi.item()
+            if not 0 <= lo <= hi <= 1:
+                check_finite("images", images, "image")
+                raise ValueError(f"CapsNet expects pixels in [0, 1], got values in [{lo:.4g}, "
+                                 f"{hi:.4g}]" + (": divide by 255" if 1 < hi <= 255 else ""))
         u = self.primary_caps(F.relu(self.conv1(images), inplace=True))  # [B, 1152, 8]
         return self.digit_caps(u, return_coupling=return_coupling)  # [B, 10, 16] (, [B, 1152, 10])
 

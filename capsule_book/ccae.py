@@ -18,7 +18,7 @@ from .segmentation import segmentation_accuracy, segmentation_report
 from .gmm import (check_background, gmm_log_joint, gmm_log_likelihood,
                               gmm_log_likelihood_from_joint, gmm_posterior_from_joint)
 from .set_transformer import SAB, Multihead, SetTransformer, _check_mask, _check_set
-from .utils import compiled, compiling
+from .utils import compiled, compiling, some_indices
 from .train import (RunResult, SyntheticStream, Task, UserError, fit, load_checkpoint,
                                 trained_weights)
 
@@ -398,6 +398,10 @@ class CCAE(nn.Module):
         if unknown:
             raise ValueError(f"unknown loss weights {sorted(unknown)}; known: "
                              f"{sorted(OFFICIAL_WEIGHTS)}")
+        # a weight of NaN, inf or below 0 makes the loss meaningless
+        bad = {k: v for k, v in self.weights.items()
+               if not (isinstance(v, (int, float)) and 0 <= v < math.inf)}
+        if bad: raise ValueError(f"loss weights must be finite numbers >= 0, got {bad}")
         # Eq. (7.4): the official dummy vote, or None
         self.background = check_background(background)
         # h^caps, Eq. (1)
@@ -416,14 +420,20 @@ class CCAE(nn.Module):
         # learned static OP_k,n params, uniform in ±template_init (official: OFFICIAL_TEMPLATE_INIT)
         self.op_static = nn.Parameter(torch.empty(K, N, 6).uniform_(-template_init, template_init))
 
-
 # %% ../nbs/08_ccae.ipynb #e5b43ec3
 def _ccae_forward(self: CCAE, points: Tensor, presence: Tensor) -> CCAEOutput:
-    """points [B, M, 2], presence [B, M] (True = present) ->
+    """points [B, M, 2], presence [B, M] (bool, True = present; or 0/1) ->
     CCAEOutput; empty examples get zeros."""
     if points.dim() != 3 or points.shape[-1] != 2 or presence.shape != points.shape[:2]:
         raise ValueError("expected points [B, M, 2] and presence [B, M], got "
                          f"{tuple(points.shape)} and {tuple(presence.shape)}")
+    if presence.dtype != torch.bool and not compiling():
+        # present or absent, never a probability: only 0 and 1 are read (as False and True)
+        odd = (presence != 0) & (presence != 1)
+        if odd.any():
+            raise ValueError("presence must be bool (True = present) or 0/1, got "
+                             f"{presence[odd][0].item():g} in example(s) "
+                             f"{some_indices(odd.any(1))}; a fraction is not read as a probability")
     present = presence.bool()
     # examples with at least one point
     keep = present.any(1)
@@ -434,7 +444,6 @@ def _ccae_forward(self: CCAE, points: Tensor, presence: Tensor) -> CCAEOutput:
     return _with_empty_examples(out, keep, points, self.K, self.N)
 
 CCAE.forward = _ccae_forward
-
 
 # %% ../nbs/08_ccae.ipynb #371be319
 def _ccae_forward_kept(self: CCAE, x: Tensor, present: Tensor) -> CCAEOutput:

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .utils import compiling
+from .utils import check_finite, compiling
 
 # %% auto #0
 __all__ = ['gaussian_log_density', 'gmm_log_joint', 'gmm_log_likelihood', 'gmm_log_likelihood_from_joint',
@@ -39,6 +39,9 @@ def _check_gmm_inputs(x: Tensor, presence: Optional[Tensor], means: Tensor, scal
                              f"{tuple(means.shape)}), got {tuple(t.shape)}")
     if compiling():                  # the value check below: eager code only (Appendix A)
         return
+    # a NaN or ±inf point makes log p(x) NaN; absent points may hold anything (moved to 0)
+    points = x if presence is None else torch.where(presence.bool()[..., None], x, x.new_zeros(()))
+    check_finite("x", points, "example", "the present points at least")
     # λ > 0: log λ and 1/λ² of Eqs. (7.1), (7.1')
     ok = (scales > 0) & torch.isfinite(scales)
     # an example with no point uses no scale
@@ -96,7 +99,6 @@ def gmm_log_joint(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mi
         log_density = torch.cat([log_density, log_density.new_full((B, M, 1), log_b)], -1)
     log_pi = torch.log_softmax(mixing_logits, dim=-1)                          # log π_c, [B, C(+1)]
     return log_pi[:, None, :] + log_density                                    # [B, M, C(+1)]
-
 
 # %% ../nbs/07_gmm.ipynb #3206a2fd
 def gmm_log_likelihood(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor,

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .gmm import gmm_log_joint
-from .set_transformer import Multihead, SetTransformer
+from .set_transformer import Multihead, SetTransformer, _check_set
+from .utils import check_finite
 from .train import (RunResult, SyntheticStream, Task, UserError, fit, init_distributed,
                                 load_checkpoint, trained_weights)
 
@@ -100,7 +101,7 @@ class DeepSet(nn.Module):
     X [B, n, d_in] → [B, k, d_out]."""
     def __init__(self, dim_in: int, dim_out: int, n_outputs: int, dim: int = 128):
         super().__init__()
-        self.n_outputs, self.dim_out = n_outputs, dim_out
+        self.dim_in, self.n_outputs, self.dim_out = dim_in, n_outputs, dim_out
         layers = [nn.Linear(dim_in, dim), nn.ReLU()]
         for _ in range(3): layers += [nn.Linear(dim, dim), nn.ReLU()]
         self.encoder = nn.Sequential(*layers)                                     # rFF: [B, n, dim]
@@ -109,8 +110,9 @@ class DeepSet(nn.Module):
                                      nn.Linear(dim, n_outputs * dim_out))
 
     def forward(self, X: Tensor) -> Tensor:
-        if X.dim() != 3:
-            raise ValueError(f"expected a batch of sets [B, n, d], got shape {tuple(X.shape)}")
+        # the Set Transformer's checks (Chapter 5): [B, n, d_in], n >= 1, finite
+        _check_set("X", X, self.dim_in, values=False)
+        check_finite("X", X, "set")
         # mean pooling: [B, dim]
         pooled = self.encoder(X).mean(1)
         return self.decoder(pooled).view(-1, self.n_outputs, self.dim_out)       # [B, k, 1 + 2D]

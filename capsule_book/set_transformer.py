@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .utils import compiling
+from .utils import check_finite, compiling, some_indices
 
 # %% auto #0
 __all__ = ['attention', 'Multihead', 'attend_few_queries', 'attend_few_keys', 'RFF', 'MAB', 'SAB', 'ISAB', 'PMA',
@@ -31,11 +31,6 @@ def attention(Q: Tensor, K: Tensor, V: Tensor, mask: Optional[Tensor] = None,
     return omega @ V                                             # [..., n, d_v]
 
 # %% ../nbs/05_set_transformer.ipynb #eac95111
-def _some(bad: Tensor, k: int = 10) -> str:
-    "The indices where bad [B] is True, the first k of them, for an error message."
-    idx = bad.nonzero().flatten().tolist()
-    return str(idx) if len(idx) <= k else f"{str(idx[:k])[:-1]}, … ({len(idx)} in all)]"
-
 def _check_set(name: str, t: Tensor, dim: int, values: bool = True) -> None:
     """Refuse anything but a batch of sets [B, n, dim] with n ≥ 1
     (and, if `values`, finite), naming what is wrong."""
@@ -46,13 +41,9 @@ def _check_set(name: str, t: Tensor, dim: int, values: bool = True) -> None:
     if t.shape[1] == 0 and t.shape[0] > 0:
         raise ValueError(f"every set needs at least one present element; {name} has shape "
                          f"{list(t.shape)}, so all {t.shape[0]} sets are empty")
-    # a NaN or ±inf anywhere reaches the sum: one reduction
-    if values and not compiling() and not torch.isfinite(t.sum()):
-        # [B], only then (or if the sum overflowed)
-        bad = ~torch.isfinite(t).flatten(1).all(1)
-        if bad.any():
-            raise ValueError(f"{name} must be finite, absent elements too (attention weighs them "
-                             f"by 0, and 0·NaN = NaN); set(s) {_some(bad)} hold NaN or inf")
+    if values:
+        check_finite(name, t, "set",
+                     "absent elements too (attention weighs them by 0, and 0·NaN = NaN)")
 
 def _check_mask(mask: Optional[Tensor], B: int, m: int) -> Optional[Tensor]:
     """A mask is a bool tensor [B, m], True for present elements, with at
@@ -70,8 +61,8 @@ def _check_mask(mask: Optional[Tensor], B: int, m: int) -> Optional[Tensor]:
         return mask
     present = mask.any(dim=-1)                                    # [B]
     if not present.all():
-        raise ValueError(f"every set needs at least one present element; set(s) {_some(~present)} "
-                         f"have none (their mask is all False)")
+        raise ValueError("every set needs at least one present element; set(s) "
+                         f"{some_indices(~present)} have none (their mask is all False)")
     return mask
 
 # %% ../nbs/05_set_transformer.ipynb #6bb7a733

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['available_devices', 'pick_device', 'seed_everything', 'round_off', 'cpu_name', 'compiling',
-           'inductor_cache_per_capability', 'compiled']
+__all__ = ['available_devices', 'pick_device', 'seed_everything', 'round_off', 'cpu_name', 'compiling', 'some_indices',
+           'check_finite', 'inductor_cache_per_capability', 'compiled']
 
 # %% ../nbs/90_utils.ipynb #92a8acca
 def available_devices() -> list[str]:
@@ -66,6 +66,23 @@ def compiling() -> bool:
     """True while torch.compile traces the caller
     (False on a torch without torch.compiler.is_compiling)."""
     return bool(getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)())
+
+# %% ../nbs/90_utils.ipynb #e83238cc
+def some_indices(bad: torch.Tensor, k: int = 10) -> str:
+    "The indices where bad [B] is True, the first k of them, for an error message."
+    idx = bad.nonzero().flatten().tolist()
+    return str(idx) if len(idx) <= k else f"{str(idx[:k])[:-1]}, … ({len(idx)} in all)]"
+
+def check_finite(name: str, t: torch.Tensor, item: str = "example", why: str = "") -> None:
+    """Refuse a float tensor [B, ...] that holds NaN or ±inf, naming it and the offending `item`s
+    (indices along dim 0); skipped while torch.compile traces (`compiling`)."""
+    if compiling() or not t.is_floating_point() or torch.isfinite(t.sum()):
+        return
+    # [B], only on failure (or a sum that overflowed)
+    bad = ~torch.isfinite(t.reshape(len(t), -1) if t.dim() else t.reshape(1, 1)).all(1)
+    if bad.any():
+        raise ValueError(f"{name} must be finite{', ' + why if why else ''}; {item}(s) "
+                         f"{some_indices(bad)} hold NaN or inf")
 
 # %% ../nbs/90_utils.ipynb #3c1a7e21
 def inductor_cache_per_capability() -> str:

@@ -101,3 +101,40 @@ def test_routed_with_sets_the_iterations_and_restores_them_even_on_error():
         with routed_with(m, 2):
             raise RuntimeError("inside")
     assert m.digit_caps.iterations == 3
+
+
+@pytest.fixture(scope="module")
+def net():
+    torch.manual_seed(0)
+    return CapsNet(1).eval()
+
+
+def test_images_that_are_not_pixels_in_0_1_are_refused_by_name(net):
+    x = torch.rand(4, 1, 28, 28)
+    bad = x.clone()
+    bad[2, 0, 5, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"^images must be finite; image\(s\) \[2\] hold NaN or inf$"):
+        net(bad)
+    bad[2, 0, 5, 5], bad[3, 0, 0, 0] = float("inf"), float("-inf")
+    with pytest.raises(ValueError, match=r"image\(s\) \[2, 3\] hold NaN or inf"):
+        net(bad)
+    with pytest.raises(ValueError, match=r"^CapsNet expects pixels in \[0, 1\], got values in \[.*, 255\]: divide by "
+                                         r"255$"):
+        net((x * 255).round())
+    with pytest.raises(ValueError, match=r"expects pixels in \[0, 1\], got values in \[-0.25, 0.75\]$"):
+        net(torch.tensor([-0.25, 0.75]).repeat(392).view(1, 1, 28, 28))      # normalised digits
+    with torch.no_grad():
+        assert torch.equal(net(x).caps, net(x.clone()).caps)  # pixels in [0, 1] pass, 0 and 1 included
+        net(torch.zeros(1, 1, 28, 28)); net(torch.ones(1, 1, 28, 28))
+
+
+def test_an_empty_batch_and_float64_images_are_refused_clearly(net):
+    with pytest.raises(ValueError, match=r"^CapsNet needs at least one image, got an empty batch"):
+        net(torch.rand(0, 1, 28, 28))
+    with pytest.raises(TypeError, match=r"^CapsNet's weights are torch.float32 and the images torch.float64: convert "
+                                        r"the images with images.to\(torch.float32\)"):
+        net(torch.rand(2, 1, 28, 28, dtype=torch.float64))
+    # no silent conversion: a float64 model takes float64 images
+    wide = CapsNet(1).double().eval()
+    with torch.no_grad():
+        assert wide(torch.rand(2, 1, 28, 28, dtype=torch.float64)).caps.dtype == torch.float64

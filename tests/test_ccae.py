@@ -679,3 +679,22 @@ def test_folded_first_sab_is_the_layer_as_written():
             # the gradient of the keys' bias is 0 in exact arithmetic (a constant per query row)
             assert torch.allclose(g_f[name], g, rtol=1e-4, atol=1e-5 * g_w[name].abs().max() + 1e-6), name
     assert g_w["embed.weight"].abs().sum() > 0 and g_f["embed.weight"].abs().sum() > 0
+
+
+def test_presence_is_bool_or_0_1_and_nothing_else(model_and_batch):
+    model, b = model_and_batch
+    out = model(b.points, b.presence)
+    as_float = model(b.points, b.presence.float())              # 0/1 read as False/True: the same output
+    torch.testing.assert_close(as_float.log_likelihood, out.log_likelihood)
+    half = b.presence.float()
+    half[5, 3] = 0.5
+    with pytest.raises(ValueError, match=r"^presence must be bool \(True = present\) or 0/1, got 0.5 in example\(s\) "
+                                         r"\[5\]; a fraction is not read as a probability$"):
+        model(b.points, half)
+
+
+def test_loss_weights_must_be_finite_and_not_negative():
+    for bad in ({"prior_within": float("nan")}, {"posterior_between": -5.0}, {"presence": float("inf")}):
+        with pytest.raises(ValueError, match=r"^loss weights must be finite numbers >= 0, got \{'"):
+            CCAE(dim=16, n_heads=2, n_layers=1, weights=bad)
+    CCAE(dim=16, n_heads=2, n_layers=1, weights={"prior_within": 0.0, "posterior_between": 0.0})

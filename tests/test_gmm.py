@@ -368,3 +368,17 @@ def test_an_empty_example_uses_none_of_its_diagonal_scales():
     (g_scales,) = torch.autograd.grad(ll.sum(), bad)
     assert ll[1] == 0 and (g_scales[1] == 0).all() and torch.isfinite(g_scales).all()
     torch.testing.assert_close(ll, gmm_log_likelihood(x, presence, means, scales, logits), rtol=0, atol=0)
+
+
+def test_a_nan_or_infinite_point_is_refused_by_its_example():
+    x, presence, means, scales, logits = _random(B=4, M=6)
+    presence[:, 0] = True
+    for value in (float("nan"), float("inf")):
+        bad = x.clone()
+        bad[2, 0, 1] = value
+        for f in (gmm_log_likelihood, gmm_posterior, gmm_log_joint):
+            with pytest.raises(ValueError, match=r"^x must be finite, the present points at least; example\(s\) \[2\] "
+                                                 r"hold NaN or inf$"):
+                f(bad, presence, means, scales, logits)
+        with pytest.raises(ValueError, match=r"example\(s\) \[2\]"):
+            gaussian_log_density(bad, means, scales)

@@ -211,3 +211,29 @@ def test_log_prob_is_chapter_7s_mixture_and_eq_5b1_written_out():
     torch.testing.assert_close(lp, written, rtol=0, atol=_round_off(written, 2 * 4 + 4))
     with pytest.raises(ValueError, match="scales must be positive and finite"):
         mog_log_prob(X, pi, mu, sig.neg())
+
+
+def test_the_deepset_refuses_what_the_set_transformers_refuse():
+    torch.manual_seed(0)
+    X = torch.randn(3, 12, 2)
+    for net in (mog_model({"model": "rff-pooling", "dim": 16, "k": 4, "n_heads": 2, "n_inducing": 4}),
+                mog_model({"model": "sab-pma", "dim": 16, "k": 4, "n_heads": 2, "n_inducing": 4})):
+        for value in (float("nan"), float("inf")):
+            bad = X.clone()
+            bad[1, 4, 0] = value
+            with pytest.raises(ValueError, match=r"^X must be finite.*; set\(s\) \[1\] hold NaN or inf$"):
+                net(bad)
+        with pytest.raises(ValueError, match=r"every set needs at least one present element; X has shape \[3, 0, 2\]"):
+            net(X[:, :0])
+        with pytest.raises(ValueError, match=r"^X must be a batch of sets \[B, n, 2\], got shape \[3, 12, 3\]$"):
+            net(torch.randn(3, 12, 3))
+        assert net(X).shape == (3, 4, 5)
+
+
+def test_mog_nll_refuses_nan_points():
+    X, _, (pi, mu, sig) = sample_mog(2, 20, generator=torch.Generator().manual_seed(0))
+    raw = torch.cat([pi.log()[..., None], mu, torch.log(torch.expm1(sig - 1e-6))], -1)     # parse_mog's inverse
+    assert math.isfinite(mog_nll(raw, X).item())
+    X[1, 7, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"^x must be finite.*example\(s\) \[1\] hold NaN or inf$"):
+        mog_nll(raw, X)

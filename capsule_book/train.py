@@ -7,6 +7,9 @@ import json
 import math
 import os
 import random
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +23,10 @@ from torch import Tensor, nn
 from .utils import pick_device
 
 # %% auto #0
-__all__ = ['UserError', 'CheckpointError', 'MissingCheckpoint', 'save_checkpoint', 'load_checkpoint', 'trained_weights',
-           'rng_state', 'set_rng_state', 'Stream', 'EpochStream', 'SyntheticStream', 'Task', 'RunResult',
-           'init_distributed', 'all_sum', 'open_run', 'fit']
+__all__ = ['UserError', 'CheckpointError', 'MissingCheckpoint', 'NonFiniteLoss', 'Interrupted', 'save_checkpoint',
+           'remove_stale_temporaries', 'load_checkpoint', 'trained_weights', 'rng_state', 'set_rng_state', 'Stream',
+           'EpochStream', 'SyntheticStream', 'Task', 'RunResult', 'init_distributed', 'all_sum', 'make_run_folder',
+           'open_run', 'fit']
 
 # %% ../nbs/92_train.ipynb #7c69be35
 class UserError(Exception):
@@ -35,15 +39,50 @@ class CheckpointError(UserError):
 class MissingCheckpoint(CheckpointError, FileNotFoundError):
     "No checkpoint where one was expected."
 
+class NonFiniteLoss(UserError):
+    """The loss or the weights became NaN or infinite: the run stopped, its last finite
+    checkpoint kept."""
+
+class Interrupted(KeyboardInterrupt):
+    "Ctrl-C stopped a run, which has said what it saved and how to continue."
+
 # %% ../nbs/92_train.ipynb #872902fa
 def save_checkpoint(state: dict, path: Union[str, os.PathLike]) -> Path:
-    "Write `state` to `path` atomically: a temporary file in the same folder, then `os.replace`."
+    """Write `state` to `path` atomically: a temporary file in the same folder, then `os.replace`;
+    a write that fails (a full disk, Ctrl-C) removes its temporary file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
+
+def _alive(pid: int) -> bool:
+    "Whether process `pid` exists (POSIX; elsewhere every other process counts as gone)."
+    if pid == os.getpid(): return True
+    if os.name != "posix": return False
+    try:
+        os.kill(pid, 0)                                  # signal 0: a question, not a signal
+    except ProcessLookupError:
+        return False
+    except OSError:                                      # another user's process
+        return True
+    return True
+
+def remove_stale_temporaries(folder: Union[str, os.PathLike], name: str = "last.pt") -> list[Path]:
+    """Delete the temporary files `.NAME.<pid>.tmp` that a process killed while writing `name`
+    left in `folder` (those of living processes are kept); returns what was removed."""
+    removed = []
+    for tmp in Path(folder).glob(f".{name}.*.tmp"):
+        pid = tmp.name[len(name) + 2:-len(".tmp")]
+        if pid.isdigit() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
 
 def load_checkpoint(path: Union[str, os.PathLike],
                     map_location: Union[str, torch.device] = "cpu") -> dict:
@@ -65,7 +104,6 @@ def trained_weights(ck: dict) -> dict:
     """A checkpoint's trained model weights: the moving average of the weights where the run
     kept one (`Task.average`), else the weights themselves."""
     return {**ck["model"], **ck.get("average", {})}
-
 
 # %% ../nbs/92_train.ipynb #e600b9e1
 def rng_state() -> dict:
@@ -201,20 +239,52 @@ def all_sum(t: Tensor, world: int) -> Tensor:
 def _describe(config: dict) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in config.items())
 
+def _refuse_file(out: Union[str, os.PathLike]) -> None:
+    "Refuse an `out` that is a file, or lies under one."
+    for p in (Path(out), *Path(out).parents):
+        if p.is_dir(): return
+        if p.exists():
+            raise UserError(f"--out {out} is a file, not a folder: choose another --out"
+                            if p == Path(out) else f"--out {out} lies under {p}, which is a file, "
+                            "not a folder: choose another --out")
+
+def make_run_folder(out: Union[str, os.PathLike]) -> bool:
+    """Make the run folder `out` if needed and check that it can be written (a file, a path under
+    a file or a read-only place is refused in one line); True if this call made it."""
+    _refuse_file(out)
+    run = Path(out)
+    made = not run.is_dir()
+    try:
+        run.mkdir(parents=True, exist_ok=True)
+        probe = run / f".write-test.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"cannot write the run folder --out {out}: "
+                        f"{e.strerror or type(e).__name__}") from None
+    return made
+
+def _rows(path: Path) -> list[dict]:
+    "The rows of a metrics.jsonl (none if it is absent)."
+    if not path.exists(): return []
+    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+
 def open_run(task: Task, out: Optional[Union[str, os.PathLike]], resume: bool,
              device: Union[str, torch.device] = "cpu") -> tuple[Optional[dict], list[dict]]:
     """The checkpoint to resume (or None) and the metrics rows up to it; refuses an occupied
-    folder or a foreign checkpoint."""
+    folder, a foreign checkpoint, or an `out` that is a file."""
     if out is None:
         if resume: raise UserError("resume needs the run's folder (out)")
         return None, []
+    _refuse_file(out)
     run, ckpt = Path(out), Path(out) / "last.pt"
     if not resume:
         if ckpt.exists():
             step = load_checkpoint(ckpt).get("step", "?")
             raise UserError(f"{out} already holds a run at step {step}; pass --resume to continue "
                             "it or choose another --out")
-        if (run / "metrics.jsonl").exists():
+        # (an empty metrics.jsonl blocks nothing)
+        if _rows(run / "metrics.jsonl"):
             raise UserError(f"{out} holds metrics.jsonl but no checkpoint (a run stopped before "
                             "its first one): delete the folder or choose another --out")
         return None, []
@@ -230,11 +300,7 @@ def open_run(task: Task, out: Optional[Union[str, os.PathLike]], resume: bool,
         raise CheckpointError(f"{ckpt} was trained with "
                               f"{_describe({k: saved.get(k) for k in keys})}; this run has "
                               f"{_describe({k: task.config.get(k) for k in keys})}")
-    rows = []
-    if (run / "metrics.jsonl").exists():
-        rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()
-                if l.strip()]
-        rows = [r for r in rows if r["step"] <= ck["step"]]
+    rows = [r for r in _rows(run / "metrics.jsonl") if r["step"] <= ck["step"]]
     return ck, rows
 
 # %% ../nbs/92_train.ipynb #64c86e54
@@ -259,11 +325,12 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
         progress: bool = True, stop_at: Optional[int] = None, rank: int = 0,
         world: int = 1) -> RunResult:
     """Train `task` to `steps` optimiser steps in all, in `out` (checkpoints, metrics.jsonl),
-    resuming it if `resume`; `stop_at` stops early as `max_minutes` does."""
+    resuming it if `resume`; `stop_at` stops early as `max_minutes` (minutes of this call's
+    training loop) does. A NaN loss raises `NonFiniteLoss`, Ctrl-C `Interrupted` (checkpointed)."""
     if steps < 0 or log_every < 1 or checkpoint_every < 1 or eval_every < 0:
         raise UserError("steps must be >= 0 and log_every, checkpoint_every >= 1, eval_every >= "
                         f"0; got {steps}, {log_every}, {checkpoint_every}, {eval_every}")
-    if max_minutes is not None and not max_minutes > 0:
+    if max_minutes is not None and not 0 < max_minutes < math.inf:
         raise UserError(f"max_minutes must be positive, got {max_minutes}")
     if world > 1 and not task.ddp: raise UserError(f"{task.name} does not train under torchrun")
     if not 0 <= task.average < 1: raise UserError(f"average must lie in [0, 1), got {task.average}")
@@ -273,6 +340,10 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
     # every rank resumes from rank 0's checkpoint
     if world > 1 and out is not None:
         box = [ck, history]; dist.broadcast_object_list(box, src=0); ck, history = box
+    run = Path(out) if out is not None and rank == 0 else None
+    # refuses a file or a read-only place; a killed writer's temporary files go
+    made = make_run_folder(run) if run is not None else False
+    if run is not None: remove_stale_temporaries(run)
     step, elapsed, running, n_running = 0, 0.0, {}, 0
     # the moving average of the weights, {name: tensor}, starting at the initial weights
     average = ({k: v.detach().clone() for k, v in model.state_dict().items()
@@ -287,18 +358,31 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
         # the model's tensors, once: loading a state dict copies into them in place
         state = model.state_dict()
         avg_tensors, live_tensors = list(average.values()), [state[k] for k in average]
-    run = Path(out) if out is not None and rank == 0 else None
     net = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     last_eval = next((r for r in reversed(history) if any(k.startswith("eval_") for k in r)), {})
     last_eval = {k: v for k, v in last_eval.items() if k.startswith("eval_")}
+    # the step of the checkpoint in `run` (None: none yet)
+    saved = None if ck is None else ck["step"]
+
+    def kept() -> str:
+        "What the run leaves to continue from, for a message."
+        if run is None: return "nothing was saved (no folder)"
+        if saved is None: return "no checkpoint had been written, so nothing was kept"
+        return f"the last checkpoint, {run / 'last.pt'} at step {saved} (finite), is kept"
 
     def checkpoint():
+        nonlocal saved
         if run is None: return
+        # a finite checkpoint is never replaced by a NaN one
+        if not _finite([*model.state_dict().values(), *(average or {}).values()]):
+            raise NonFiniteLoss(f"the weights became NaN or infinite by step {step} of {steps} "
+                                f"while the loss stayed finite (a gradient overflowed); {kept()}")
         save_checkpoint({"task": task.name, "config": task.config, "step": step,
                          "model": model.state_dict(), "optimizer": opt.state_dict(),
                          "stream": task.stream.state_dict(), "rng": rng_state(), "elapsed": elapsed,
                          "running": running, "n_running": n_running,
                          **({"average": average} if average is not None else {})}, run / "last.pt")
+        saved = step
 
     def averaged(f: Callable[[], Any]) -> Any:
         "f() with the averaged weights in the model, the trained ones put back after."
@@ -311,71 +395,157 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
     def log(row: dict):
         history.append(row)
         if run is not None:
-            run.mkdir(parents=True, exist_ok=True)
             with open(run / "metrics.jsonl", "a") as f: f.write(json.dumps(row) + "\n")
 
     # the metrics file, cut back to the checkpoint's step
-    if run is not None:
-        run.mkdir(parents=True, exist_ok=True)
+    if run is not None and (history or (run / "metrics.jsonl").exists()):
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
     t_start = t_ckpt = time.time()
     cost = {"step": 0.0, "eval": 0.0, "checkpoint": 0.0}   # the last duration of each, in seconds
-    stopped = False
+    stopped = interrupted = False
+    doing = None                                          # the step under way
     bar = _bar(steps, step, progress and rank == 0, task.name)
     model.train()
     eval_due = lambda s: task.evaluate is not None and ((eval_every and s % eval_every == 0)
                                                         or s == steps)
-    while step < steps:
-        if stop_at is not None and step >= stop_at:
-            stopped = True
-            break
-        if max_minutes is not None:
-            need = cost["step"] + cost["checkpoint"] + (cost["eval"] if eval_due(step + 1) else 0.0)
-            late = torch.tensor(float(time.time() + need > t_start + 60 * max_minutes))
-            if all_sum(late, world).item() > 0:
-                stopped = True
-                break
-        t0 = time.time()
-        # η(s), a pure function of s
-        for group in opt.param_groups: group["lr"] = task.lr(step)
-        loss, numbers = task.loss(net, next(task.stream))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if average is not None:
-            with torch.no_grad():
-                # w̄ ← d·w̄ + (1 − d)·w, in place
-                torch._foreach_lerp_(avg_tensors, live_tensors, 1 - task.average)
-        step += 1
-        for k, v in {"loss": loss.detach(), **numbers}.items():
-            running[k] = running.get(k, 0.0) + float(v)
-        n_running += 1
-        cost["step"] = time.time() - t0
-        elapsed += cost["step"]
-        bar.update(1)
-        if step % log_every == 0 or step == steps or eval_due(step):
-            row = {"step": step, **getattr(task.stream, "progress", dict)(),
-                   "lr": task.lr(step - 1), **{k: v / n_running for k, v in running.items()},
-                   "elapsed_s": round(elapsed, 2)}
-            if eval_due(step):
-                t0 = time.time()
-                scores = averaged(lambda: task.evaluate(model))
-                last_eval = {f"eval_{k}": v for k, v in scores.items()}
-                model.train()
-                cost["eval"] = time.time() - t0
-                row.update(last_eval)
-            if rank == 0: log(row)
-            bar.set_postfix(_postfix(running, n_running, last_eval), refresh=False)
-            running, n_running = {}, 0
-        if (step % checkpoint_every == 0 or time.time() - t_ckpt > 60 * checkpoint_minutes
-            or step == steps):
-            t0 = time.time(); checkpoint(); cost["checkpoint"] = time.time() - t0
-            t_ckpt = time.time()
-    bar.close()
-    if stopped or (ck is not None and step == ck["step"]): checkpoint()
+    try:
+        with _Interrupt(out is not None) as interrupt:
+            while step < steps:
+                if stop_at is not None and step >= stop_at:
+                    stopped = True
+                    break
+                late = False
+                if max_minutes is not None:
+                    need = (cost["step"] + cost["checkpoint"]
+                            + (cost["eval"] if eval_due(step + 1) else 0.0))
+                    late = time.time() + need > t_start + 60 * max_minutes
+                # decided by all ranks together
+                late, interrupted = _anywhere([late, interrupt.requested], world, device)
+                if late or interrupted:
+                    stopped = late
+                    break
+                t0, doing = time.time(), step + 1
+                # η(s), a pure function of s
+                for group in opt.param_groups: group["lr"] = task.lr(step)
+                loss, numbers = task.loss(net, next(task.stream))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                if average is not None:
+                    with torch.no_grad():
+                        # w̄ ← d·w̄ + (1 − d)·w, in place
+                        torch._foreach_lerp_(avg_tensors, live_tensors, 1 - task.average)
+                step += 1
+                values = {k: float(v) for k, v in {"loss": loss.detach(), **numbers}.items()}
+                if _anywhere([not math.isfinite(values["loss"])], world, device)[0]:
+                    terms = ", ".join(f"{k}={v:.4g}" for k, v in values.items())
+                    raise NonFiniteLoss(f"the loss became NaN or infinite at step {step} of "
+                                        f"{steps} ({terms}); the run stopped: {kept()}")
+                for k, v in values.items(): running[k] = running.get(k, 0.0) + v
+                n_running += 1
+                cost["step"] = time.time() - t0
+                elapsed += cost["step"]
+                bar.update(1)
+                if step % log_every == 0 or step == steps or eval_due(step):
+                    row = {"step": step, **getattr(task.stream, "progress", dict)(),
+                           "lr": task.lr(step - 1),
+                           **{k: v / n_running for k, v in running.items()},
+                           "elapsed_s": round(elapsed, 2)}
+                    if eval_due(step):
+                        t0 = time.time()
+                        scores = averaged(lambda: task.evaluate(model))
+                        last_eval = {f"eval_{k}": v for k, v in scores.items()}
+                        model.train()
+                        cost["eval"] = time.time() - t0
+                        row.update(last_eval)
+                    if rank == 0: log(row)
+                    bar.set_postfix(_postfix(running, n_running, last_eval), refresh=False)
+                    running, n_running = {}, 0
+                if (step % checkpoint_every == 0 or time.time() - t_ckpt > 60 * checkpoint_minutes
+                    or step == steps):
+                    t0 = time.time(); checkpoint(); cost["checkpoint"] = time.time() - t0
+                    t_ckpt = time.time()
+            doing = None
+        bar.close()
+        # (interrupted before this session's first step: nothing new to save)
+        if (stopped or (ck is not None and step == ck["step"])
+            or (interrupted and step != (saved or 0))):
+            checkpoint()
+        if interrupted:
+            raise Interrupted(f"interrupted at step {step} of {steps}")
+    except BaseException as e:
+        bar.close()
+        failure = _failed_step(e, doing, steps, model, kept()) if doing else None
+        if isinstance(e, KeyboardInterrupt) and rank == 0:
+            print(f"interrupted at step {step} of {steps}; " + (
+                f"{run / 'last.pt'} holds step {saved}: continue with `{task.resume_command}`"
+                if saved is not None and run is not None else "nothing was saved"), flush=True)
+        # nothing to continue from: nothing left to block the same command
+        if run is not None and saved is None: _forget(run, made)
+        if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
+            raise Interrupted(f"interrupted at step {step} of {steps}") from e
+        if failure is not None: raise failure from e
+        raise
     if stopped and rank == 0:
         print(f"stopped at step {step} of {steps}; continue with `{task.resume_command}`",
               flush=True)
     # a finished run's model is its average
     if average is not None and step >= steps: model.load_state_dict(average, strict=False)
     return RunResult(model, history, step, step >= steps)
+
+# %% ../nbs/92_train.ipynb #5e65cc4f
+class _Interrupt:
+    """Ctrl-C (SIGINT) during `fit`: the first asks the loop to stop after the step under way,
+    with a checkpoint; a second interrupts at once."""
+    def __init__(self, active: bool):
+        # a handler can only be set from the main thread
+        self.active = active and threading.current_thread() is threading.main_thread()
+        self.requested, self.previous = False, None
+
+    def __enter__(self) -> "_Interrupt":
+        if self.active:
+            self.previous = signal.getsignal(signal.SIGINT)
+            # ignored (a background job), or set outside Python: left alone
+            self.active = self.previous not in (None, signal.SIG_IGN)
+        if self.active: signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested: raise KeyboardInterrupt
+        self.requested = True
+        print("\nCtrl-C: stopping after this step, with a checkpoint (again: stop at once)",
+              file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        if self.active: signal.signal(signal.SIGINT, self.previous)
+
+def _finite(tensors) -> bool:
+    "Whether the float tensors among `tensors` hold no NaN and no ±inf."
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+def _forget(run: Path, made: bool) -> None:
+    """Remove what a run that wrote no checkpoint left in `run`: its metrics.jsonl, and the folder
+    if the run made it and nothing else is in it."""
+    (run / "metrics.jsonl").unlink(missing_ok=True)
+    if made:
+        try: run.rmdir()
+        except OSError: pass
+
+def _anywhere(flags: list[bool], world: int, device: torch.device) -> list[bool]:
+    "Each flag, true if it is true in any process (one all-reduce under torchrun)."
+    if world == 1: return flags
+    return [f > 0 for f in all_sum(torch.tensor([float(f) for f in flags], device=device),
+                                   world).tolist()]
+
+def _failed_step(e: BaseException, at: int, steps: int, model: nn.Module,
+                 kept: str) -> Optional[Exception]:
+    """What a run reports when step `at` raised `e`: NaN weights (the news, whatever the model said
+    of them), or a value check with the step and what is kept; None: `e` as it is."""
+    if not isinstance(e, Exception) or isinstance(e, UserError): return None
+    why = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}" if str(e) else type(e).__name__
+    if not _finite(model.parameters()):
+        return NonFiniteLoss(f"the weights became NaN or infinite by step {at} of {steps} "
+                             f"(then {why}); {kept}")
+    if isinstance(e, ValueError):
+        return ValueError(f"at step {at} of {steps}: {str(e).splitlines()[0]}; {kept}")
+    return None

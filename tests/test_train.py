@@ -3,6 +3,7 @@ stops, refusals in one line, checkpoints that survive a crash, two processes und
 import ast
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -256,3 +257,137 @@ def test_moving_average_of_the_weights_is_evaluated_resumed_and_kept(tmp_path):
     assert all(torch.equal(trained_weights(ck)[k], trained_weights(cb)[k]) for k in ck["model"])
     with pytest.raises(UserError, match="average must lie in"):
         fit(task(1.0), 1, progress=False)
+
+
+def toy(loss_at=None, weight_at=None, kill_at=None, kills: int = 1) -> "Task":
+    """A linear fit on a SyntheticStream (a checkpoint of a few hundred bytes); the loss of step `loss_at` is NaN;
+    step `weight_at` overflows a gradient (loss finite, weights NaN); step `kill_at` gets Ctrl-C `kills` times."""
+    from torch import nn
+    from capsule_book.train import Task
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    calls = []
+
+    def make(g): return [torch.randn(8, 3, generator=g) for _ in range(3)]
+
+    def loss(net, x):
+        calls.append(1)
+        n = len(calls)
+        err = (net(x) - x.sum(1, keepdim=True)).pow(2).mean()
+        if n == kill_at:
+            for _ in range(kills): os.kill(os.getpid(), signal.SIGINT)
+        if n == loss_at: err = err * float("nan")
+        if n == weight_at: err = err + (net.weight - net.weight.detach()).abs().sum().sqrt()   # 0, gradient NaN
+        return err, {"err": err.detach()}
+
+    return Task("toy", {}, model, torch.optim.SGD(model.parameters(), lr=0.1), SyntheticStream(make, 0), loss,
+                lambda s: 0.1, resume_command="toy --resume")
+
+
+def test_a_nan_loss_stops_the_run_and_the_finite_checkpoint_stays(tmp_path):
+    from capsule_book.train import NonFiniteLoss, fit
+    out = tmp_path / "run"
+    with pytest.raises(NonFiniteLoss) as e:
+        fit(toy(loss_at=4), 10, out=out, checkpoint_every=2, log_every=1, progress=False)
+    assert str(e.value) == (f"the loss became NaN or infinite at step 4 of 10 (loss=nan, err=nan); the run stopped: "
+                            f"the last checkpoint, {out / 'last.pt'} at step 2 (finite), is kept")
+    ck = load_checkpoint(out / "last.pt")
+    assert ck["step"] == 2 and all(torch.isfinite(v).all() for v in ck["model"].values())
+    same = fit(toy(), 2, progress=False).model                              # the checkpoint is step 2 of a sound run
+    assert all(torch.equal(ck["model"][k], v) for k, v in same.state_dict().items())
+
+
+def test_weights_that_turn_nan_under_a_finite_loss_are_never_saved(tmp_path):
+    from capsule_book.train import NonFiniteLoss, fit
+    out = tmp_path / "run"
+    with pytest.raises(NonFiniteLoss, match=r"weights became NaN or infinite by step 3 of 10 while the loss stayed "
+                                            r"finite .*at step 2 \(finite\), is kept"):
+        fit(toy(weight_at=3), 10, out=out, checkpoint_every=1, progress=False)
+    assert load_checkpoint(out / "last.pt")["step"] == 2
+    # the next step's model, fed its own NaN, fails: reported as the NaN, not as the model's complaint
+    def refuses_nan(task):
+        inner = task.loss
+        def loss(net, x):
+            if not torch.isfinite(net.weight).all(): raise ValueError("scales must be positive and finite")
+            return inner(net, x)
+        task.loss = loss
+        return task
+    with pytest.raises(NonFiniteLoss, match=r"^the weights became NaN or infinite by step 4 of 10 \(then ValueError: "
+                                            r"scales must be positive and finite\); no checkpoint had been written"):
+        fit(refuses_nan(toy(weight_at=3)), 10, out=tmp_path / "other", checkpoint_every=100, progress=False)
+    assert not (tmp_path / "other").exists()                 # nothing to continue from: nothing left in the way
+
+
+def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_in_the_way(tmp_path):
+    from capsule_book.train import fit
+    out = tmp_path / "run"
+    task, calls = toy(), []
+    inner = task.loss
+    def failing(net, x):
+        calls.append(1)
+        if len(calls) == 3: raise ValueError("a bad batch")
+        return inner(net, x)
+    task.loss = failing
+    with pytest.raises(ValueError, match=r"^at step 3 of 5: a bad batch; no checkpoint had been written"):
+        fit(task, 5, out=out, log_every=1, progress=False)
+    assert not out.exists()
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")                   # an empty metrics file blocks nothing either
+    assert fit(toy(), 5, out=out, progress=False).finished
+
+
+def test_ctrl_c_checkpoints_after_the_step_and_the_run_resumes_bit_exactly(tmp_path, capsys):
+    from capsule_book.train import Interrupted, fit
+    out = tmp_path / "run"
+    with pytest.raises(Interrupted):
+        fit(toy(kill_at=3), 8, out=out, log_every=1, checkpoint_every=100, progress=False)
+    assert capsys.readouterr().out.strip() == (f"interrupted at step 3 of 8; {out / 'last.pt'} holds step 3: "
+                                               "continue with `toy --resume`")
+    assert load_checkpoint(out / "last.pt")["step"] == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler          # the handler is put back
+    resumed = fit(toy(), 8, out=out, resume=True, log_every=1, progress=False)
+    straight = fit(toy(), 8, out=tmp_path / "straight", log_every=1, progress=False)
+    assert resumed.finished and same_weights(resumed.model, straight.model)
+
+
+def test_ctrl_c_twice_stops_at_once_and_a_fresh_run_leaves_no_folder(tmp_path, capsys):
+    from capsule_book.train import Interrupted, fit
+    out = tmp_path / "run"
+    with pytest.raises(Interrupted):
+        fit(toy(kill_at=2, kills=2), 8, out=out, log_every=1, progress=False)
+    assert capsys.readouterr().out.strip() == "interrupted at step 1 of 8; nothing was saved"
+    assert not out.exists()
+    # resumed, the second Ctrl-C leaves the last checkpoint as it was
+    fit(toy(), 8, out=out, stop_at=2, progress=False)
+    capsys.readouterr()
+    with pytest.raises(Interrupted):
+        fit(toy(kill_at=2, kills=2), 8, out=out, resume=True, progress=False)
+    assert capsys.readouterr().out.strip().startswith(f"interrupted at step 3 of 8; {out / 'last.pt'} holds step 2")
+    assert load_checkpoint(out / "last.pt")["step"] == 2 and not list(out.glob(".*.tmp"))
+
+
+def test_stale_temporary_checkpoints_are_removed_on_the_next_start(tmp_path):
+    from capsule_book.train import fit
+    out = tmp_path / "run"
+    fit(toy(), 2, out=out, progress=False)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()                               # a process that has exited
+    (out / f".last.pt.{dead}.tmp").write_bytes(b"half a checkpoint")
+    (out / f".last.pt.{os.getppid()}.tmp").write_bytes(b"a living process's")     # still writing: kept
+    fit(toy(), 4, out=out, resume=True, progress=False)
+    assert sorted(x.name for x in out.iterdir()) == [f".last.pt.{os.getppid()}.tmp", "last.pt", "metrics.jsonl"]
+
+
+def test_a_failed_save_leaves_no_temporary_file(tmp_path, monkeypatch):
+    path = tmp_path / "last.pt"
+    save_checkpoint({"model": {}, "step": 1}, path)
+
+    def full_disk(obj, f, *a, **k):
+        Path(f).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError):
+        save_checkpoint({"model": {}, "step": 2}, path)
+    monkeypatch.undo()
+    assert [x.name for x in tmp_path.iterdir()] == ["last.pt"] and load_checkpoint(path)["step"] == 1

@@ -19,17 +19,29 @@ from .data import data_root
 from .train import CheckpointError, UserError, load_checkpoint, trained_weights
 
 # %% auto #0
-__all__ = ['REPOSITORY', 'RAW', 'BUILDERS', 'checkout_weights', 'cache_weights', 'sha256', 'manifest', 'entry', 'fetch', 'load',
-           'ship']
+__all__ = ['REPOSITORY', 'RAW', 'WEIGHTS_ENV', 'BUILDERS', 'checkout_weights', 'local_weights', 'cache_weights', 'sha256',
+           'manifest', 'entry', 'fetch', 'shipped_as', 'load', 'ship']
 
 # %% ../nbs/95_weights.ipynb #8f6a070a
 REPOSITORY = "https://github.com/capsule-book/capsule_book"
 RAW = "https://raw.githubusercontent.com/capsule-book/capsule_book"
+WEIGHTS_ENV = "CAPSULE_BOOK_WEIGHTS"
 
 def checkout_weights() -> Optional[Path]:
     "The `weights/` folder of the repository this package runs from, if it runs from a clone."
     folder = Path(__file__).resolve().parent.parent / "weights"
     return folder if (folder / "manifest.json").is_file() else None
+
+def local_weights(folder: Optional[Union[str, os.PathLike]] = None) -> Optional[Path]:
+    """The folder to read shipped models from: `folder`, else `$CAPSULE_BOOK_WEIGHTS`, else the
+    checkout's `weights/`; None: download them. A folder without manifest.json is refused."""
+    if folder is None: folder = os.environ.get(WEIGHTS_ENV) or None
+    if folder is None: return checkout_weights()
+    folder = Path(folder).expanduser()
+    if not (folder / "manifest.json").is_file():
+        raise UserError(f"{folder} holds no manifest.json: --weights-dir (or {WEIGHTS_ENV}) names "
+                        f"the weights/ folder of a clone of {REPOSITORY}")
+    return folder
 
 def cache_weights() -> Path:
     "Where downloaded weights are kept: `<data root>/weights/v<version>/`."
@@ -42,6 +54,14 @@ def sha256(path: Union[str, os.PathLike]) -> str:
         for block in iter(lambda: f.read(1 << 20), b""): h.update(block)
     return h.hexdigest()
 
+def _offline_hint() -> str:
+    "How to use a clone's weights without a network, for an error message."
+    here = Path.cwd() / "weights"
+    return (f"without a network, use the weights/ folder of a clone of {REPOSITORY}: pass "
+            f"--weights-dir PATH/weights or set {WEIGHTS_ENV}=PATH/weights"
+            + (f" (this folder has one: --weights-dir {here})"
+               if (here / "manifest.json").is_file() else ""))
+
 def _download(url: str, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
@@ -50,20 +70,30 @@ def _download(url: str, path: Path) -> Path:
             shutil.copyfileobj(r, f)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise UserError(f"could not download {url} ({e}); clone {REPOSITORY} and use its weights/ "
-                        "folder") from None
+        raise UserError(f"could not download {url} ({e}); {_offline_hint()}") from None
+    except BaseException:                      # Ctrl-C: no partial file left
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     return path
 
+def _restore_advice(path: Path, in_cache: bool) -> str:
+    "What to do about a wrong or missing weights file: download it again, or restore it."
+    if in_cache: return "delete it to download it again"
+    root = next((p for p in path.resolve().parents if (p / ".git").exists()), None)
+    if root is None: return f"copy weights/{path.name} of {REPOSITORY} at v{__version__} over it"
+    return f"restore it with `git -C {root} checkout -- {path.resolve().relative_to(root)}`"
+
 # %% ../nbs/95_weights.ipynb #3f653dd1
 def manifest(folder: Optional[Union[str, os.PathLike]] = None, download: bool = True) -> dict:
-    """The manifest of shipped models: `folder`/manifest.json, else the checkout's, else
-    the one at this version's tag."""
-    folder = Path(folder) if folder is not None else checkout_weights()
+    """The manifest of shipped models: `folder`/manifest.json, else `$CAPSULE_BOOK_WEIGHTS`'s, else
+    the checkout's, else the one at this version's tag."""
+    folder = local_weights(folder)
     if folder is not None: return json.loads((folder / "manifest.json").read_text())
     path = cache_weights() / "manifest.json"
     if not path.exists():
-        if not download: raise UserError(f"no weights/manifest.json here and download=False")
+        if not download:
+            raise UserError(f"no weights/manifest.json here and download=False; {_offline_hint()}")
         _download(f"{RAW}/v{__version__}/weights/manifest.json", path)
     return json.loads(path.read_text())
 
@@ -78,22 +108,33 @@ def entry(name: str, folder: Optional[Union[str, os.PathLike]] = None,
 
 def fetch(name: str, folder: Optional[Union[str, os.PathLike]] = None,
           download: bool = True) -> Path:
-    """The local file of shipped model `name` with its sha256 checked: from the checkout,
-    else from the cache or a download."""
+    """The local file of shipped model `name` with its sha256 checked: from the local folder
+    (`local_weights`), else from the cache or a download."""
     e = entry(name, folder, download)
-    here = Path(folder) if folder is not None else checkout_weights()
+    here = local_weights(folder)
     path = here / e["file"] if here is not None else cache_weights() / e["file"]
     if not path.exists():
-        if here is not None or not download:
-            raise UserError(f"{path} is missing (the manifest lists it); restore it with git or "
-                            f"retrain with: {e['command']}")
+        if here is not None:
+            raise UserError(f"{path} is missing (the manifest lists it); "
+                            f"{_restore_advice(path, False)}, or retrain with: {e['command']}")
+        if not download:
+            raise UserError(f"{path} is missing and download=False; {_offline_hint()}")
         _download(f"{RAW}/v{__version__}/weights/{e['file']}", path)
     got = sha256(path)
     if got != e["sha256"]:
         raise CheckpointError(f"{path} has sha256 {got[:12]}…, the manifest says "
-                              f"{e['sha256'][:12]}…: the file is not the shipped model (delete it "
-                              "to download it again)")
+                              f"{e['sha256'][:12]}…: the file is not the shipped model "
+                              f"({_restore_advice(path, here is None)})")
     return path
+
+def shipped_as(path: Union[str, os.PathLike]) -> Optional[str]:
+    "The shipped model whose weights file `path` is, by the manifest.json beside it; else None."
+    path = Path(path)
+    try:
+        models = json.loads((path.parent / "manifest.json").read_text())["models"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return next((n for n, e in models.items() if e.get("file") == path.name), None)
 
 # %% ../nbs/95_weights.ipynb #f4b2977d
 def _capsnet(config: dict) -> nn.Module:

@@ -1,7 +1,9 @@
 """Shipped weights: every manifest entry matches its file and loads as a working model; the download path checks
 the sha256 (tested with a local stand-in for the repository, never the network)."""
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -46,13 +48,27 @@ def test_shipped_mog_models_score_their_benchmark(name):
     assert abs(evaluate_mog(weights.load(name), sets) - e["metric"]["ll"]) < 0.1
 
 
-@pytest.fixture
-def shipped(tmp_path):
+@pytest.fixture(scope="module")
+def shipped_once(tmp_path_factory):
+    "A one-step CapsNet run shipped as 'tiny' (its 98 MB checkpoint deleted), and the run's model."
+    tmp = tmp_path_factory.mktemp("shipped")
     run = train_capsnet(TrainConfig(steps=1, batch_size=8, limit_train=8, limit_test=8, routing_iterations=1,
-                                    sample=True, progress=False, device="cpu", out=str(tmp_path / "run")))
-    weights.ship(tmp_path / "run" / "last.pt", "tiny", "capsule-book train capsnet --steps 1", {"accuracy": 0.1},
-                 dtype="float16", folder=tmp_path / "repo")
-    return tmp_path, run.model
+                                    sample=True, progress=False, device="cpu", out=str(tmp / "run")))
+    weights.ship(tmp / "run" / "last.pt", "tiny", "capsule-book train capsnet --steps 1", {"accuracy": 0.1},
+                 dtype="float16", folder=tmp / "repo")
+    shutil.rmtree(tmp / "run")
+    return tmp / "repo", run.model
+
+
+@pytest.fixture
+def shipped(shipped_once, tmp_path, monkeypatch):
+    "The shipped folder as tmp_path/repo (the 16 MB file a hard link: tests that change it copy it first)."
+    repo, model = shipped_once
+    (tmp_path / "repo").mkdir()
+    shutil.copy(repo / "manifest.json", tmp_path / "repo" / "manifest.json")
+    os.link(repo / "tiny.pt", tmp_path / "repo" / "tiny.pt")
+    monkeypatch.delenv("CAPSULE_BOOK_WEIGHTS", raising=False)
+    return tmp_path, model
 
 
 def test_ship_then_load_gives_the_same_function(shipped):
@@ -86,7 +102,7 @@ def test_download_path_checks_the_sha256(shipped, monkeypatch):
     data = bytearray(cached.read_bytes())
     data[len(data) // 2] ^= 0xFF                                  # one byte of a download changed
     cached.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="is not the shipped model"):
+    with pytest.raises(CheckpointError, match=r"is not the shipped model \(delete it to download it again\)$"):
         weights.load("tiny")
     cached.unlink()
     with pytest.raises(UserError, match="missing"):
@@ -108,3 +124,43 @@ def test_shipped_ccae_segments_fresh_constellations():
     res = evaluate_ccae(weights.load("ccae"), n=1000)                # 1,000 of the manifest's 10,000
     assert abs(res["accuracy"] - e["metric"]["accuracy"]) < 0.03, res
     assert res["accuracy"] > res["one_capsule_baseline"] + 0.2
+
+
+def test_a_changed_file_in_a_clone_is_restored_with_the_git_command_the_message_gives(shipped):
+    tmp, _ = shipped
+    clone = tmp / "clone"
+    (clone / "weights").mkdir(parents=True)
+    for f in ("manifest.json", "tiny.pt"): shutil.copy(tmp / "repo" / f, clone / "weights" / f)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(git + ["init", "-q", str(clone)], check=True)
+    subprocess.run(git + ["-C", str(clone), "add", "weights"], check=True)
+    subprocess.run(git + ["-C", str(clone), "commit", "-q", "-m", "weights"], check=True)
+    with open(clone / "weights" / "tiny.pt", "ab") as f: f.write(b"x")
+    with pytest.raises(CheckpointError, match=r"is not the shipped model \(restore it with `git -C .*`\)$") as e:
+        weights.load("tiny", folder=clone / "weights")
+    command = str(e.value).split("`")[1]
+    assert command == f"git -C {clone.resolve()} checkout -- weights/tiny.pt"
+    subprocess.run(command.split(), check=True)                                 # what the message says works
+    assert not weights.load("tiny", folder=clone / "weights").training
+
+
+def test_a_changed_file_outside_a_clone_says_where_the_right_one_is(shipped):
+    tmp, _ = shipped
+    copy = tmp / "copy"
+    copy.mkdir()
+    for f in ("manifest.json", "tiny.pt"): shutil.copy(tmp / "repo" / f, copy / f)
+    with open(copy / "tiny.pt", "ab") as f: f.write(b"x")
+    with pytest.raises(CheckpointError, match=rf"\(copy weights/tiny.pt of {weights.REPOSITORY} at "
+                                              rf"v{weights.__version__} over it\)$"):
+        weights.load("tiny", folder=copy)
+
+
+def test_the_weights_folder_of_the_environment_is_read_first(shipped, monkeypatch):
+    tmp, model = shipped
+    monkeypatch.setattr(weights.urllib.request, "urlopen", None)                 # no download, ever
+    monkeypatch.setenv("CAPSULE_BOOK_WEIGHTS", str(tmp / "repo"))
+    assert weights.local_weights() == tmp / "repo" and set(weights.manifest()["models"]) == {"tiny"}
+    assert not weights.load("tiny").training
+    monkeypatch.setenv("CAPSULE_BOOK_WEIGHTS", str(tmp))
+    with pytest.raises(UserError, match=rf"^{tmp} holds no manifest.json: --weights-dir \(or CAPSULE_BOOK_WEIGHTS\)"):
+        weights.load("tiny")

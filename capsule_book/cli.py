@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import sys
+from pathlib import Path
 from typing import Callable, Optional
 
 # %% auto #0
-__all__ = ['COMMANDS', 'register', 'Parser', 'build_parser', 'main', 'positive', 'positive_float', 'device', 'run_arguments',
-           'print_last_row', 'run_settings', 'resume_command', 'eval_arguments', 'load_for_eval',
-           'capsnet_train_arguments', 'train_capsnet_command', 'capsnet_eval_arguments', 'eval_capsnet_command',
-           'mog_train_arguments', 'train_mog_command', 'mog_eval_arguments', 'eval_mog_command', 'ccae_train_arguments',
-           'ccae_from_args', 'ccae_train_settings', 'train_ccae_command', 'ccae_eval_arguments', 'eval_ccae_command']
+__all__ = ['COMMANDS', 'finite', 'non_negative', 'probability', 'register', 'Parser', 'build_parser', 'main', 'positive',
+           'non_negative_int', 'positive_float', 'number', 'device', 'run_arguments', 'print_last_row', 'run_settings',
+           'resume_command', 'eval_arguments', 'load_for_eval', 'capsnet_train_arguments', 'train_capsnet_command',
+           'capsnet_eval_arguments', 'eval_capsnet_command', 'mog_train_arguments', 'train_mog_command',
+           'mog_eval_arguments', 'eval_mog_command', 'ccae_train_arguments', 'ccae_from_args', 'ccae_train_settings',
+           'train_ccae_command', 'ccae_eval_arguments', 'eval_ccae_command']
 
 # %% ../nbs/93_cli.ipynb #642e09a9
 COMMANDS: dict[str, dict[str, tuple[Callable, Callable, str]]] = {"train": {}, "eval": {}}
@@ -51,16 +54,22 @@ def build_parser() -> argparse.ArgumentParser:
 def _is_user_error(e: BaseException) -> bool:
     # imported only once a command runs (torch is loaded by then)
     from capsule_book.train import UserError
-    return isinstance(e, (UserError, FileNotFoundError, ValueError))
+    # (OSError: a full disk, a read-only folder, a file that cannot be read)
+    return isinstance(e, (UserError, OSError, ValueError))
 
 def main(argv: Optional[list[str]] = None) -> int:
-    "Entry point of the `capsule-book` console script."
+    """Entry point of the `capsule-book` console script: a user's mistake exits with status 2
+    and one line, Ctrl-C with status 130."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = argv
     try:
         return args.run(args) or 0
+    except KeyboardInterrupt as e:
+        # the engine has said what it saved (Interrupted); before it ran, nothing was written
+        said = type(e).__name__ == "Interrupted"
+        parser.exit(130, "" if said else "capsule-book: interrupted (nothing was written)\n")
     except Exception as e:
         # a user's mistake: one line, exit 2; anything else is a bug: traceback
         if not _is_user_error(e): raise
@@ -76,6 +85,15 @@ def positive(text: str) -> int:
     if value < 1: raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
+def non_negative_int(text: str) -> int:
+    "argparse type: an integer >= 0."
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0: raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
 def positive_float(text: str) -> float:
     "argparse type: a finite number > 0."
     try:
@@ -85,6 +103,28 @@ def positive_float(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
+
+def number(low: float = -math.inf, high: float = math.inf,
+           open_high: bool = False) -> Callable[[str], float]:
+    "argparse type: a finite number in [low, high] (or [low, high) with `open_high`)."
+    if math.isinf(low) and math.isinf(high): what = "a finite number"
+    elif math.isinf(high): what = f"a finite number >= {low:g}"
+    else: what = f"a number in [{low:g}, {high:g}{')' if open_high else ']'}"
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not (math.isfinite(value) and low <= value <= high
+                and not (open_high and value == high)):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+finite = number()                           # any finite number
+non_negative = number(0.0)                  # a loss weight: 0 switches the term off
+probability = number(0.0, 1.0, open_high=True)   # [0, 1)
 
 def device(text: str) -> str:
     "argparse type: a device torch can use here (cuda, mps, cpu)."
@@ -104,7 +144,8 @@ def run_arguments(p: argparse.ArgumentParser, out: str, steps: Optional[int],
     g.add_argument("--steps", type=positive, default=steps,
                    help="optimiser steps in all" + (f" (default {steps})" if steps else ""))
     g.add_argument("--max-minutes", type=positive_float, default=None,
-                   help="checkpoint and stop cleanly before T minutes (continue with --resume)")
+                   help="checkpoint and stop cleanly before T minutes of training, counted "
+                        "from the first step (continue with --resume)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", type=device, default=None,
                    help="cuda, mps or cpu (default: the fastest available)")
@@ -113,7 +154,7 @@ def run_arguments(p: argparse.ArgumentParser, out: str, steps: Optional[int],
                    help="steps between checkpoints (default 1000)")
     g.add_argument("--checkpoint-minutes", type=positive_float, default=10.0,
                    help="minutes between checkpoints (default 10)")
-    g.add_argument("--eval-every", type=int, default=eval_every,
+    g.add_argument("--eval-every", type=non_negative_int, default=eval_every,
                    help="steps between evaluations (0: at the end only)"
                    + (f"; default {eval_every}" if eval_every else ""))
     g.add_argument("--log-every", type=positive, default=50,
@@ -137,25 +178,35 @@ def resume_command(args: argparse.Namespace) -> str:
             + " ".join(shlex.quote(a) for a in argv + ([] if "--resume" in argv else ["--resume"])))
 
 def eval_arguments(p: argparse.ArgumentParser, what: str) -> None:
-    "`--checkpoint PATH` or `--weights NAME`, and the device."
+    "`--checkpoint PATH` or `--weights NAME` (`--weights-dir DIR`), and the device."
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help=f"a last.pt written by `capsule-book train {what}`")
     src.add_argument("--weights", help="the name of a shipped model (weights/manifest.json)")
+    p.add_argument("--weights-dir", default=None,
+                   help="read --weights from this folder (a clone's weights/; no network); "
+                        "default $CAPSULE_BOOK_WEIGHTS, else the clone the package runs from, "
+                        "else a download")
     p.add_argument("--device", type=device, default=None)
 
 def load_for_eval(args: argparse.Namespace, name: str, load_checkpoint_model: Callable):
     """The model to evaluate and a dict saying where it came from: a run's
     checkpoint or shipped weights."""
     from capsule_book.utils import pick_device
+    from capsule_book import weights
     dev = pick_device(args.device)
     if args.checkpoint:
+        shipped = weights.shipped_as(args.checkpoint)
+        if shipped is not None:
+            raise ValueError(f"--checkpoint {args.checkpoint} holds the weights of shipped model "
+                             f"{shipped!r}, not a run's checkpoint: use --weights {shipped} "
+                             f"--weights-dir {Path(args.checkpoint).parent}")
         model, ck = load_checkpoint_model(args.checkpoint, dev)
         return model, {"checkpoint": str(args.checkpoint), "step": ck["step"]}, ck["config"]
-    from capsule_book import weights
-    entry = weights.entry(args.weights)
+    entry = weights.entry(args.weights, args.weights_dir)
     if entry["model"] != name:
         raise ValueError(f"shipped model {args.weights!r} is a {entry['model']} model, not {name}")
-    return weights.load(args.weights, dev), {"weights": args.weights}, entry["config"]
+    return (weights.load(args.weights, dev, args.weights_dir), {"weights": args.weights},
+            entry["config"])
 
 # %% ../nbs/93_cli.ipynb #338b4a83
 def capsnet_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -166,13 +217,13 @@ def capsnet_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="per process (default 128, the paper's)")
     p.add_argument("--routing-iterations", type=positive, default=3, help="default 3, the paper's")
     p.add_argument("--lr", type=positive_float, default=1e-3)
-    p.add_argument("--recon-weight", type=float, default=0.0005,
+    p.add_argument("--recon-weight", type=non_negative, default=0.0005,
                    help="0: no reconstruction loss (default 0.0005)")
     p.add_argument("--w-std", type=positive_float, default=0.01,
                    help="standard deviation of the initial W_ij (default 0.01; official code 0.1)")
     p.add_argument("--full-gradient", action="store_true",
                    help="back-propagate through every routing iteration (official code)")
-    p.add_argument("--routing-bias", type=float, default=None,
+    p.add_argument("--routing-bias", type=finite, default=None,
                    help="add a learned bias to s_j, from this value (official code: 0.1)")
     p.add_argument("--limit-train", type=positive, default=None,
                    help="train on the first N digits only")
@@ -189,8 +240,6 @@ def train_capsnet_command(args: argparse.Namespace) -> int:
     """`capsule-book train capsnet`: train (or resume) through the engine;
     print the last metrics row as JSON."""
     from capsule_book.capsnet import TrainConfig, train_capsnet
-    if args.recon_weight < 0:
-        raise ValueError(f"--recon-weight must be >= 0, got {args.recon_weight}")
     cfg = TrainConfig(epochs=args.epochs, steps=args.steps, batch_size=args.batch_size,
                       routing_iterations=args.routing_iterations, lr=args.lr,
                       recon_weight=args.recon_weight, w_std=args.w_std,
@@ -284,6 +333,9 @@ def eval_mog_command(args: argparse.Namespace) -> int:
     from capsule_book.mog import BENCHMARK_SEED, evaluate_mog, load_mog, mog_benchmark
     model, source, config = load_for_eval(args, "mog", load_mog)
     n_min, n_max = args.n_min or config["n_min"], args.n_max or config["n_max"]
+    if n_min > n_max:
+        own = "" if args.n_min and args.n_max else " (the run's own where not given)"
+        raise ValueError(f"need --n-min <= --n-max, got {n_min} and {n_max}{own}")
     seed = BENCHMARK_SEED if args.seed is None else args.seed
     sets, oracle = mog_benchmark(args.eval_batches, n_min=n_min, n_max=n_max, seed=seed)
     print(json.dumps({**source, "model": config["model"], "ll": evaluate_mog(model, sets),
@@ -297,7 +349,7 @@ def ccae_train_arguments(p: argparse.ArgumentParser) -> None:
     benchmarks/ccae.py takes the same."""
     p.add_argument("--batch-size", type=positive, default=32)
     p.add_argument("--lr", type=positive_float, default=1e-4)
-    p.add_argument("--lr-decay", type=positive_float, default=1.0,
+    p.add_argument("--lr-decay", type=number(0.0, 1.0), default=1.0,
                    help="multiply η by this every 10,000 steps, continuously (official code: "
                         "computes 0.96, uses 1)")
     p.add_argument("--optimizer", choices=["rmsprop", "adam"], default="rmsprop")
@@ -315,15 +367,15 @@ def ccae_train_arguments(p: argparse.ArgumentParser) -> None:
                         "or competitive (each point shared out among the capsules)")
     p.add_argument("--dim-special", type=positive, default=32,
                    help="capsule feature width (official 32)")
-    p.add_argument("--background", type=float, default=0.01,
+    p.add_argument("--background", type=non_negative, default=0.01,
                    help="density and weight of the background component, Eq. (7.4) "
                         "(official 0.01; 0 = none)")
     p.add_argument("--template-init", type=positive_float, default=0.45,
                    help="half-width of the uniform initialisation of the static part poses "
                         "(official 0.45)")
-    p.add_argument("--posterior-sparsity", type=float, default=0.0,
+    p.add_argument("--posterior-sparsity", type=non_negative, default=0.0,
                    help="weight of both posterior sparsity losses (official constellation run: 0)")
-    p.add_argument("--prior-sparsity", type=float, default=1.0,
+    p.add_argument("--prior-sparsity", type=non_negative, default=1.0,
                    help="weight of both prior sparsity losses (official 1; 0 = none)")
     p.add_argument("--part-presence", choices=["dynamic", "static"], default="dynamic",
                    help="dynamic: a_k,n decoded from each capsule (official); static: one learned "
@@ -333,12 +385,12 @@ def ccae_train_arguments(p: argparse.ArgumentParser) -> None:
                         "presence logits (official: both)")
     p.add_argument("--no-deformations", dest="deformations", action="store_false",
                    help="rigid templates: no input-dependent part poses (official: deformations)")
-    p.add_argument("--drop-prob", type=float, default=0.5,
+    p.add_argument("--drop-prob", type=probability, default=0.5,
                    help="probability that a pattern is left out of a training constellation "
                         "(official 0.5)")
-    p.add_argument("--complete-steps", type=int, default=0,
+    p.add_argument("--complete-steps", type=non_negative_int, default=0,
                    help="train the first N steps (a multiple of 100) on complete constellations")
-    p.add_argument("--average", type=float, default=0.0,
+    p.add_argument("--average", type=probability, default=0.0,
                    help="evaluate and end with a moving average of the weights, decay D per step "
                         "(official: none, 0)")
     p.add_argument("--eval-n", type=positive, default=2000,
@@ -349,7 +401,6 @@ def ccae_from_args(args: argparse.Namespace):
     """The CCAE that the `train ccae` arguments describe
     (shared by the command line and benchmarks/ccae.py)."""
     from capsule_book.ccae import CCAE
-    if args.background < 0: raise ValueError(f"--background must be >= 0, got {args.background}")
     weights = dict(posterior_within=args.posterior_sparsity,
                    posterior_between=args.posterior_sparsity,
                    prior_within=args.prior_sparsity, prior_between=args.prior_sparsity)

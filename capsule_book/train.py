@@ -467,7 +467,7 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
                     t_ckpt = time.time()
             doing = None
         bar.close()
-        # (interrupted before this session's first step: nothing new to save)
+        # (interrupted before a step was taken since the start or resume: nothing new to save)
         if (stopped or (ck is not None and step == ck["step"])
             or (interrupted and step != (saved or 0))):
             checkpoint()

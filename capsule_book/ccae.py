@@ -25,9 +25,9 @@ from .train import (RunResult, SyntheticStream, Task, UserError, fit, load_check
 # %% auto #0
 __all__ = ['OFFICIAL_WEIGHTS', 'OFFICIAL_MODEL', 'OFFICIAL_TEMPLATE_INIT', 'sab_on_present_rows', 'first_sab_on_present_rows',
            'OfficialCapsuleEncoder', 'competitive_attention', 'capsule_encoder', 'BatchLinear', 'BatchMLP',
-           'geometric_transform', 'CapsuleVotes', 'capsule_votes', 'vote_mixture', 'ccae_losses', 'ccae_loss',
-           'CCAEOutput', 'CCAE', 'evaluate_ccae', 'FlatRMSprop', 'ccae_task', 'train_ccae', 'load_ccae', 'plot_ccae',
-           'plot_ccae_history']
+           'geometric_transform', 'CapsuleVotes', 'capsule_votes', 'vote_mixture', 'ccae_losses', 'sparsity_losses',
+           'ccae_loss', 'CCAEOutput', 'CCAE', 'evaluate_ccae', 'FlatRMSprop', 'ccae_task', 'train_ccae', 'load_ccae',
+           'plot_ccae', 'plot_ccae_history']
 
 # %% ../nbs/08_ccae.ipynb #3cfddc21
 def _softmax_short_rows(s: Tensor) -> Tensor:
@@ -233,6 +233,7 @@ class CapsuleVotes(NamedTuple):
     log_a: Tensor        # [B, K, N], log a_k a_k,n
     l_k: Tensor          # [B, K, 1], the object presence logits ℓ_k (noise included)
     op_dynamic: Tensor   # [B, K, N, 6], the input-dependent part of OP_k,n's parameters
+    pose: Optional[Tensor] = None  # [B, K, N, 3, 3], the whole vote OV_k OP_k,n (Chapter 10)
 
 def capsule_votes(raw: Tensor, bias: Tensor, op_static: Tensor, similarity: bool = True,
                   noise_scale: float = 0.0, static_parts: bool = False,
@@ -271,7 +272,7 @@ def capsule_votes(raw: Tensor, bias: Tensor, op_static: Tensor, similarity: bool
     lam = F.softplus(scale_params + 0.5) + 1e-2                                   # λ_k,n: [B, K, N]
     # log a_k a_k,n: [B, K, N]
     log_a = F.logsigmoid(l_k) + F.logsigmoid(l_kn)
-    return CapsuleVotes(mu, lam, log_a, l_k, op_dynamic)
+    return CapsuleVotes(mu, lam, log_a, l_k, op_dynamic, V)
 
 # %% ../nbs/08_ccae.ipynb #990639d8
 def vote_mixture(x: Tensor, present: Tensor, votes: CapsuleVotes, background: Optional[float] = None
@@ -311,14 +312,24 @@ def ccae_losses(votes: CapsuleVotes, log_likelihood: Tensor, posterior: Tensor, 
     pres_bce = F.binary_cross_entropy_with_logits(votes.l_k[..., 0], (wins > 1).float(),
                                                   reduction="none")
     u = a_kn.max(-1).values                                                       # u_b,k: [B, K]
-    C = n_classes
     # mass per capsule [B, K]
     mass = posterior.reshape(B, M, K, N).sum((1, 3))
     return {
         "nll": -log_likelihood.mean(),
         "dynamic_l2": 0.5 * votes.op_dynamic.pow(2).sum() / B,
         "presence": (pres_bce * (wins > 0)).sum(-1).mean(),
-        "prior_within": (u.sum(1) - K / C).pow(2).mean(),
+        **sparsity_losses(u, mass, n_classes),
+    }
+
+def sparsity_losses(u: Tensor, mass: Tensor, n_classes: int,
+                    within_constant: Optional[float] = None) -> dict:
+    """The prior sparsity terms of the object presences u [B, K] and the posterior ones of the
+    mass each capsule explains, mass [B, K]; each a [] tensor. The within-example prior asks
+    for `within_constant` capsules present per example (None: K/C)."""
+    (B, K), C = u.shape, n_classes
+    within = K / C if within_constant is None else within_constant
+    return {
+        "prior_within": (u.sum(1) - within).pow(2).mean(),
         "prior_between": (u.sum(0) - B / C).pow(2).mean(),
         "posterior_within": _entropy(mass, -1).mean(),
         "posterior_between": -_entropy(mass.sum(0), -1),

@@ -14,7 +14,8 @@ __all__ = ['COMMANDS', 'register', 'Parser', 'build_parser', 'main', 'positive',
            'print_last_row', 'run_settings', 'resume_command', 'eval_arguments', 'load_for_eval',
            'capsnet_train_arguments', 'train_capsnet_command', 'capsnet_eval_arguments', 'eval_capsnet_command',
            'mog_train_arguments', 'train_mog_command', 'mog_eval_arguments', 'eval_mog_command', 'ccae_train_arguments',
-           'ccae_from_args', 'ccae_train_settings', 'train_ccae_command', 'ccae_eval_arguments', 'eval_ccae_command']
+           'ccae_from_args', 'ccae_train_settings', 'train_ccae_command', 'ccae_eval_arguments', 'eval_ccae_command',
+           'scae_train_arguments', 'train_scae_command', 'scae_eval_arguments', 'eval_scae_command']
 
 # %% ../nbs/93_cli.ipynb #642e09a9
 COMMANDS: dict[str, dict[str, tuple[Callable, Callable, str]]] = {"train": {}, "eval": {}}
@@ -408,4 +409,94 @@ def eval_ccae_command(args: argparse.Namespace) -> int:
     print(json.dumps({**source,
                       **evaluate_ccae(model, n=args.n, batch_size=config.get("batch_size", 32),
                                                 seed=args.seed)}))
+    return 0
+
+# %% ../nbs/93_cli.ipynb #7d599b9f
+def scae_train_arguments(p: argparse.ArgumentParser) -> None:
+    "The flags of `capsule-book train scae` (the official MNIST configuration by default)."
+    p.add_argument("--batch-size", type=positive, default=128, help="official 128")
+    p.add_argument("--lr", type=positive_float, default=3e-5, help="official 3e-5")
+    p.add_argument("--optimizer", choices=["rmsprop", "adam"], default="rmsprop")
+    p.add_argument("--lr-decay", type=positive_float, default=1.0,
+                   help="multiply η by this every 10,000 steps, continuously (official code: "
+                        "computes 0.96, uses 1)")
+    p.add_argument("--presence-mask", choices=["official", "log"], default="official",
+                   help="how the set encoder weighs parts by presence: official (-(1-d)·1e32) or "
+                        "log (adds log d to the scores)")
+    p.add_argument("--n-parts", type=positive, default=40, help="part capsules (official 40)")
+    p.add_argument("--n-objects", type=positive, default=32, help="object capsules (official 32)")
+    p.add_argument("--prior-within-constant", type=positive_float, default=None,
+                   help="object capsules asked to be present per image (default K/C = 3.2)")
+    p.add_argument("--average", type=float, default=0.0,
+                   help="evaluate and end with a moving average of the weights, decay D per step")
+    p.add_argument("--eval-n", type=positive, default=10_000,
+                   help="training and test digits per evaluation (default 10000)")
+    p.add_argument("--sample", action="store_true",
+                   help="the MNIST sample shipped with the package (2,000/1,000)")
+    p.add_argument("--data-root", default=None,
+                   help="default $CAPSULE_BOOK_DATA, else ~/.cache/capsule_book")
+    run_arguments(p, "runs/scae", 300_000, eval_every=10_000)
+
+@register("train", "scae", scae_train_arguments,
+          help="image Stacked Capsule Autoencoder (Kosiorek et al. 2019) on MNIST")
+def train_scae_command(args: argparse.Namespace) -> int:
+    """`capsule-book train scae`: train (or resume) through the engine;
+    print the last metrics row as JSON."""
+    import torch
+    from capsule_book.scae import SCAE, SCAEConfig, train_scae
+    from capsule_book.utils import pick_device
+    if not 0 <= args.average < 1:
+        raise ValueError(f"--average must lie in [0, 1), got {args.average}")
+    if args.lr_decay > 1: raise ValueError(f"--lr-decay must lie in (0, 1], got {args.lr_decay}")
+    config = SCAEConfig(n_parts=args.n_parts, n_objects=args.n_objects,
+                        presence_mask=args.presence_mask,
+                        prior_within_constant=args.prior_within_constant)
+    dev = pick_device(args.device)
+    # as `train ccae`: subnormal floats flushed to zero on a CPU, for this command only
+    was_flushed = (torch.tensor([1e-39]) * 1.0).item() == 0.0
+    if dev.type == "cpu": torch.set_flush_denormal(True)
+    try:
+        torch.manual_seed(args.seed)
+        model = SCAE(config, seed=args.seed).to(dev)
+        result = train_scae(model, args.steps, batch_size=args.batch_size, lr=args.lr,
+                            optimizer=args.optimizer, lr_decay=args.lr_decay, seed=args.seed,
+                            eval_n=args.eval_n, sample=args.sample, data_root=args.data_root,
+                            average=args.average, eval_every=args.eval_every,
+                            resume_command=resume_command(args), **run_settings(args))
+    finally:
+        torch.set_flush_denormal(was_flushed)
+    return print_last_row(result)
+
+def scae_eval_arguments(p: argparse.ArgumentParser) -> None:
+    "The flags of `capsule-book eval scae`."
+    eval_arguments(p, "scae")
+    p.add_argument("--n-train", type=positive, default=60_000,
+                   help="training digits K-means is fitted on (default all 60000)")
+    p.add_argument("--n-test", type=positive, default=10_000, help="test digits (default 10000)")
+    p.add_argument("--probe", action="store_true", help="also the linear probe's accuracy")
+    p.add_argument("--sample", action="store_true",
+                   help="the shipped sample's 2,000 training and 1,000 test digits")
+    p.add_argument("--data-root", default=None)
+    p.add_argument("--batch-size", type=positive, default=500)
+
+@register("eval", "scae", scae_eval_arguments,
+          help="unsupervised MNIST accuracy of an SCAE checkpoint or shipped weights")
+def eval_scae_command(args: argparse.Namespace) -> int:
+    """`capsule-book eval scae`: K-means accuracy of the object presences (random placement and
+    centred test digits), printed as JSON."""
+    from capsule_book.data import CanvasBatches, load_mnist
+    from capsule_book.scae import evaluate_scae, load_scae
+    model, source, config = load_for_eval(args, "scae", load_scae)
+    canvas, dev = model.config.canvas, next(model.parameters()).device
+    x_tr, y_tr = load_mnist(True, root=args.data_root, limit=args.n_train, sample=args.sample)
+    x_te, y_te = load_mnist(False, root=args.data_root, limit=args.n_test, sample=args.sample)
+    batches = lambda x, y, seed, shift=True: CanvasBatches(x, y, args.batch_size, canvas,
+                                                           shift=shift, seed=seed, device=dev)
+    train = batches(x_tr, y_tr, 10_001)
+    result = {**source, "n_train": len(y_tr), "n_test": len(y_te)}
+    for name, test in (("shifted", batches(x_te, y_te, 10_002)),
+                       ("centred", batches(x_te, y_te, 0, shift=False))):
+        scores = evaluate_scae(model, train, test, probe=args.probe)
+        result.update({f"{name}_{k}": round(v, 4) for k, v in scores.items()})
+    print(json.dumps(result))
     return 0

@@ -13,8 +13,9 @@ from torch import Tensor, nn
 from .ccae import geometric_transform
 
 # %% auto #0
-__all__ = ['sonnet_init', 'glorot_bound', 'PartEncoder', 'official_template_init', 'affine_inverse', 'transform_templates',
-           'image_log_likelihood', 'TemplateDecoder', 'mixture_mode', 'plot_templates']
+__all__ = ['sonnet_init', 'glorot_bound', 'PartEncoder', 'official_template_init', 'affine_inverse', 'canvas_grid',
+           'transform_templates', 'image_log_likelihood', 'pixel_mixture_log_likelihood', 'TemplateDecoder',
+           'mixture_mode', 'plot_templates']
 
 # %% ../nbs/10_pcae.ipynb #fa0f37e2
 def sonnet_init(module: nn.Module) -> nn.Module:
@@ -88,6 +89,17 @@ def affine_inverse(pose: Tensor) -> Tensor:
     A_inv = torch.stack([torch.stack([d, -b], -1), torch.stack([-c, a], -1)], -2) / det
     return torch.cat([A_inv, -A_inv @ t], -1)
 
+def canvas_grid(pose: Tensor, canvas: int) -> Tensor:
+    """For every pixel of a canvas x canvas image, the template coordinates A^-1 (y - t) it reads
+    (Eq. 10.4), for poses [..., 3, 3]: [..., canvas, canvas, 2] (x first), as `F.affine_grid`
+    with align_corners=True computes them."""
+    th = affine_inverse(pose)                                            # [..., 2, 3]
+    y = torch.linspace(-1, 1, canvas, dtype=pose.dtype, device=pose.device)
+    a, b, c = (th[..., 0, j, None, None] for j in range(3))
+    d, e, f = (th[..., 1, j, None, None] for j in range(3))
+    # an outer sum over rows (y) and columns (x): [..., canvas, canvas]
+    return torch.stack([a * y + (b * y[:, None] + c), d * y + (e * y[:, None] + f)], -1)
+
 def transform_templates(templates: Tensor, pose: Tensor, canvas: int) -> Tensor:
     """Eq. (10.4): templates [N, C, t, t] placed by pose [B, N, 3, 3] on a canvas x canvas
     image, bilinear, 0 outside: [B, N, C, canvas, canvas]."""
@@ -96,8 +108,7 @@ def transform_templates(templates: Tensor, pose: Tensor, canvas: int) -> Tensor:
         raise ValueError(f"expected templates [N, C, t, t] and pose [B, N, 3, 3] with the same N, "
                          f"got {list(templates.shape)} and {list(pose.shape)}")
     C, t = templates.shape[1], templates.shape[-1]
-    theta = affine_inverse(pose).reshape(B * N, 2, 3)                    # canvas -> template
-    grid = F.affine_grid(theta, [B * N, C, canvas, canvas], align_corners=True)
+    grid = canvas_grid(pose, canvas).view(B * N, canvas, canvas, 2)     # canvas -> template
     src = templates.expand(B, N, C, t, t).reshape(B * N, C, t, t)
     out = F.grid_sample(src, grid, mode="bilinear", padding_mode="zeros", align_corners=True)
     return out.view(B, N, C, canvas, canvas)
@@ -116,7 +127,44 @@ def image_log_likelihood(image: Tensor, means: Tensor, logits: Tensor,
              - (image - means).pow(2) / (2 * sigma**2))                      # log N(y_i | μ_n,i, σ)
     return torch.logsumexp(log_pi + log_n, 1).sum((1, 2))                   # [B]
 
-# %% ../nbs/10_pcae.ipynb #1ea32e05
+# %% ../nbs/10_pcae.ipynb #2ce495f7
+class _PixelMixture(torch.autograd.Function):
+    "Eq. (10.5) with the background as scalars and the gradient of Eq. (10.6)."
+    @staticmethod
+    def forward(ctx, y: Tensor, mu: Tensor, l: Tensor, mu_b: Tensor, l_b: Tensor,
+                sigma: float) -> Tensor:
+        c = 0.5 / sigma**2
+        lp, lp_b = torch.addcmul(l, y - mu, y - mu, value=-c), l_b - c * (y - mu_b) ** 2
+        m = torch.maximum(lp.amax(1, keepdim=True), lp_b)                  # [B, 1, H, W]
+        A = m + torch.log((lp - m).exp_().sum(1, keepdim=True) + (lp_b - m).exp())
+        mz = torch.maximum(l.amax(1, keepdim=True), l_b)
+        Z = mz + torch.log((l - mz).exp().sum(1, keepdim=True) + (l_b - mz).exp())
+        ctx.save_for_backward(y, mu, l, mu_b, l_b, A, Z)
+        ctx.c = c
+        return ((A - Z).sum((1, 2, 3))
+                - y[0].numel() * (0.5 * math.log(2 * math.pi) + math.log(sigma)))
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        y, mu, l, mu_b, l_b, A, Z = ctx.saved_tensors
+        c, g = ctx.c, g.view(-1, 1, 1, 1)
+        d = y - mu
+        r = torch.addcmul(l, d, d, value=-c).sub_(A).exp_()                # r_n,i
+        d_l = (r - (l - Z).exp_()).mul_(g)                                 # Eq. (10.6)
+        d_mu = r.mul_(d).mul_(2 * c * g)
+        d_b = y - mu_b
+        r_b = (l_b - c * d_b**2 - A).exp()
+        d_lb = ((r_b - (l_b - Z).exp()) * g).sum().view(1)
+        d_mub = (r_b * d_b * (2 * c) * g).sum().view(1)
+        return None, d_mu, d_l, d_mub, d_lb, None
+
+def pixel_mixture_log_likelihood(image: Tensor, mu: Tensor, logits: Tensor, bg_mean: Tensor,
+                                 bg_logit: Tensor, sigma: float = 1.0) -> Tensor:
+    """Eq. (10.5) with the templates' components mu, logits [B, N, H, W] and one background
+    component (bg_mean, bg_logit [1], the same at every pixel): log p [B]."""
+    return _PixelMixture.apply(image, mu, logits, bg_mean, bg_logit, sigma)
+
+# %% ../nbs/10_pcae.ipynb #9c91645f
 class TemplateDecoder(nn.Module):
     """The PCAE decoder: N learned t x t templates with alpha logits, coloured by the parts'
     special features, placed by the part poses; the image under Eq. (10.5)."""
@@ -141,30 +189,40 @@ class TemplateDecoder(nn.Module):
         if not self.colorize: return features.new_ones(features.shape[:2])
         return torch.sigmoid(self.colour(features))[..., 0]
 
-    def mixture(self, pose: Tensor, presence: Tensor, colour: Tensor) -> tuple[Tensor, Tensor]:
-        """The components of Eq. (10.5) for poses [B, N, 3, 3], presences d [B, N] and colours
-        c [B, N]: means and logits [B, N+1, H, W], the background last."""
-        B = pose.shape[0]
+    def components(self, pose: Tensor, presence: Tensor,
+                   colour: Tensor) -> tuple[Tensor, Tensor]:
+        """The templates' components of Eq. (10.5) for poses [B, N, 3, 3], presences d [B, N] and
+        colours c [B, N]: means c_n T̂_n and logits Â_n + log d_n, each [B, N, H, W]."""
         placed = transform_templates(torch.cat([self.templates(), self.alpha_logits], 1), pose,
                                      self.canvas)                                # [B, N, 2, H, W]
-        H = W = self.canvas
-        means = torch.cat([placed[:, :, 0] * colour[..., None, None],
-                           torch.sigmoid(self.bg_value).expand(B, 1, H, W)], 1)
-        logits = torch.cat([placed[:, :, 1] + presence.clamp_min(1e-16).log()[..., None, None],
-                            F.softplus(self.bg_logit).expand(B, 1, H, W)], 1)
-        return means, logits
+        ink, alpha = placed.unbind(2)
+        return (ink * colour[..., None, None],
+                alpha + presence.clamp_min(1e-16).log()[..., None, None])
+
+    def background(self) -> tuple[Tensor, Tensor]:
+        "The background's ink σ(b) and logit softplus(β), each [1]."
+        return torch.sigmoid(self.bg_value), F.softplus(self.bg_logit)
+
+    def mixture(self, pose: Tensor, presence: Tensor, colour: Tensor) -> tuple[Tensor, Tensor]:
+        "Every component of Eq. (10.5): means and logits [B, N+1, H, W], the background last."
+        means, logits = self.components(pose, presence, colour)
+        B, H, W = means.shape[0], self.canvas, self.canvas
+        bg_mean, bg_logit = self.background()
+        return (torch.cat([means, bg_mean.expand(B, 1, H, W)], 1),
+                torch.cat([logits, bg_logit.expand(B, 1, H, W)], 1))
 
     def forward(self, image: Tensor, pose: Tensor, presence: Tensor,
                 colour: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        "log p(image) [B] (Eq. 10.5), and the mixture's means and logits [B, N+1, H, W]."
-        means, logits = self.mixture(pose, presence, colour)
-        return image_log_likelihood(image, means, logits), means, logits
+        "log p(image) [B] (Eq. 10.5), and the templates' means and logits [B, N, H, W]."
+        means, logits = self.components(pose, presence, colour)
+        return (pixel_mixture_log_likelihood(image, means, logits, *self.background()),
+                means, logits)
 
 def mixture_mode(means: Tensor, logits: Tensor) -> Tensor:
     "The ink of each pixel's most probable component: [B, C, H, W] -> [B, 1, H, W]."
     return means.gather(1, logits.argmax(1, keepdim=True))
 
-# %% ../nbs/10_pcae.ipynb #c8874d9b
+# %% ../nbs/10_pcae.ipynb #2e10e198
 def plot_templates(templates: Tensor, n_cols: int = 10, title: str = ""):
     "Templates [N, 1, t, t] (ink in [0, 1]) in a grid; returns the Figure."
     import matplotlib.pyplot as plt

@@ -85,8 +85,8 @@ class PartSetEncoder(nn.Module):
         h = self.embed(parts)
         for sab in self.sabs:
             h = sab(h, presence)
-        Q = self.queries.expand(parts.shape[0], -1, -1)
-        return presence_attention(self.readout, Q, self.z(h), presence, self.mask)
+        # the same K queries for every image: projected once, broadcast over the batch
+        return presence_attention(self.readout, self.queries, self.z(h), presence, self.mask)
 
 # %% ../nbs/11_ocae.ipynb #355a42e9
 def part_pose_likelihood(x: Tensor, presence: Tensor, votes: Tensor, scales: Tensor, log_a: Tensor,
@@ -164,9 +164,9 @@ class SCAEOutput(NamedTuple):
     part_presence: Tensor        # [B, N], d_n
     part_features: Tensor        # [B, N, F], z_n
     part_colour: Tensor          # [B, N], c_n
-    means: Tensor                # [B, N+1, H, W], the image mixture's components (Eq. 10.5)
-    mixing_logits: Tensor        # [B, N+1, H, W]
-    reconstruction: Tensor       # [B, 1, H, W], the mixture's mode
+    means: Optional[Tensor]      # [B, N+1, H, W], the image mixture's components (eval mode)
+    mixing_logits: Optional[Tensor]   # [B, N+1, H, W] (eval mode)
+    reconstruction: Optional[Tensor]  # [B, 1, H, W], the mixture's mode (eval mode)
     part_posterior: Tensor       # [B, N, K], p(k | x_n)
     votes: Tensor                # [B, K, N, 6], v_k,n
     vote_presence: Tensor        # [B, K, N], a_k a_k,n
@@ -209,7 +209,7 @@ def _scae_forward(self: SCAE, images: Tensor) -> SCAEOutput:
     pose = geometric_transform(pose_raw, similarity=False)   # Eq. (10.3): [B, N, 3, 3]
     x = pose[..., :2, :].flatten(-2)                                       # x_n: [B, N, 6]
     c = self.decoder.colours(z)                                            # c_n: [B, N]
-    image_ll, means, logits = self.decoder(images, pose, d, c)             # Eq. (10.5)
+    image_ll, ink, alpha = self.decoder(images, pose, d, c)                # Eq. (10.5)
     # the OCAE's input; gradients stopped but for the special features
     templates = (self.decoder.templates()[None, :, 0] * c[..., None, None]).flatten(-2)
     parts = torch.cat([x.detach(), 1 - d.detach()[..., None], z, templates.detach()], -1)
@@ -230,7 +230,12 @@ def _scae_forward(self: SCAE, images: Tensor) -> SCAEOutput:
             + sum(getattr(cfg, k) * losses[k] for k in ("dynamic_l2", "prior_within",
                                                         "prior_between", "posterior_within",
                                                         "posterior_between")))
-    with torch.no_grad():
+    means = logits = rec = None                       # the whole mixture: for evaluation only
+    if not self.training:
+        bg_mean, bg_logit = self.decoder.background()
+        B_, H, W = ink.shape[0], cfg.canvas, cfg.canvas
+        means = torch.cat([ink, bg_mean.expand(B_, 1, H, W)], 1)
+        logits = torch.cat([alpha, bg_logit.expand(B_, 1, H, W)], 1)
         rec = mixture_mode(means, logits)
     return SCAEOutput(loss, losses, u, mass, x, d, z, c, means, logits, rec, post, votes, a,
                       image_ll, part_ll)

@@ -72,6 +72,28 @@ def test_template_init_is_the_official_rescaled_orthogonal_rows():
     assert torch.linalg.matrix_rank(rows - rows.mean(1, keepdim=True)) >= 39
 
 
+def test_fast_pixel_mixture_is_eq_10_5_with_its_gradient():
+    from capsule_book.pcae import pixel_mixture_log_likelihood
+    torch.manual_seed(8)
+    y = torch.rand(2, 1, 4, 4, dtype=torch.float64)
+    args = (torch.rand(2, 3, 4, 4, dtype=torch.float64, requires_grad=True),
+            torch.randn(2, 3, 4, 4, dtype=torch.float64, requires_grad=True),
+            torch.rand(1, dtype=torch.float64, requires_grad=True),
+            torch.randn(1, dtype=torch.float64, requires_grad=True))
+    full = lambda t, b: torch.cat([t, b.expand(2, 1, 4, 4)], 1)
+    torch.testing.assert_close(pixel_mixture_log_likelihood(y, *args, sigma=0.5),
+                               image_log_likelihood(y, full(args[0], args[2]), full(args[1], args[3]), 0.5))
+    assert torch.autograd.gradcheck(lambda *t: pixel_mixture_log_likelihood(y, *t, sigma=0.5), args)
+
+
+def test_canvas_grid_is_affine_grid():
+    import torch.nn.functional as F
+    from capsule_book.pcae import affine_inverse, canvas_grid
+    poses = geometric_transform(torch.randn(3, 7, 6), similarity=False)
+    ref = F.affine_grid(affine_inverse(poses).view(21, 2, 3), [21, 1, 40, 40], align_corners=True)
+    torch.testing.assert_close(canvas_grid(poses, 40).view(21, 40, 40, 2), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_image_likelihood_is_the_literal_mixture_and_integrates_to_one():
     torch.manual_seed(3)
     means = torch.rand(2, 4, 3, 3, dtype=torch.float64)
@@ -130,8 +152,14 @@ def test_gradients_stop_where_the_official_code_stops_them():
     model = SCAE(SCAEConfig(**SMALL))
     x, _ = load_mnist(True, sample=True)
     images = next(iter(CanvasBatches(x[:8], torch.zeros(8, dtype=torch.long), batch_size=8)))[0]
-    out = model(images)
-    assert out.object_presence.shape == (8, 4) and out.reconstruction.shape == (8, 1, 40, 40)
+    with torch.no_grad():
+        shown = model.eval()(images)
+    assert shown.reconstruction.shape == (8, 1, 40, 40) and shown.means.shape == (8, 6, 40, 40)
+    # the reconstruction is the ink of each pixel's most probable component
+    best = shown.mixing_logits.argmax(1, keepdim=True)
+    assert torch.equal(shown.reconstruction, shown.means.gather(1, best))
+    out = model.train()(images)
+    assert out.object_presence.shape == (8, 4) and out.reconstruction is None
 
     def touched(loss):
         model.zero_grad()

@@ -1,9 +1,8 @@
 /* capsule_book: how a chapter reads in the browser.
  *
- * 1. Tooling a reader should not see: nbdev directives (lines starting with `#|`) are taken out of every code
- *    cell, a cell left empty disappears, and progress-bar lines (tqdm) are taken out of printed outputs.
- *    `#| hide` and `#| include: false` hide the cell, `#| echo: false` its code, `#| output: false` its output,
- *    as nbdev does in its own docs.
+ * 1. Tooling a reader should not see: progress-bar lines (tqdm) are taken out of printed outputs. (nbdev's
+ *    directives, `#| export` and the like, never reach the page: _ext/nbdev_directives.py takes them out when the
+ *    book is built.) Each line of code becomes its own span, so that a long line wraps under itself.
  * 2. labml's layout (nn.labml.ai): each code cell is paired with the markdown blocks right before it (back to the
  *    previous code cell or heading) in a <div class="nb-pair"> holding <div class="nb-notes"> and
  *    <div class="nb-code">. book.css lays a pair out as two columns (notes left, code right, tops aligned) on a
@@ -15,7 +14,6 @@
 (function () {
   "use strict";
 
-  var DIRECTIVE = /^\s*#\|/;
   var PROGRESS = /\d+%\|.*\|\s*\d+(\.\d+)?[kMG]?\/\d+(\.\d+)?[kMG]?\s*\[|\d+(\.\d+)?(it\/s|s\/it)[,\]]/;
   var HEADING = /^H[1-6]$/;
 
@@ -57,40 +55,19 @@
     });
   }
 
-  /* Take the directives out of one code cell; returns them (e.g. ["export", "hide"]). */
-  function stripDirectives(cell) {
+  /* One <span class="nb-line"> per line of a code cell, each with its indentation as --nb-indent (book.css wraps a
+   * long line under itself with a hanging indent). */
+  function lineSpans(cell) {
     var pre = cell.querySelector(":scope > .cell_input pre");
-    if (!pre) return [];
-    var lines = splitLines(pre), directives = [], kept = [];
-    lines.forEach(function (line) {
-      var text = line.textContent;
-      if (DIRECTIVE.test(text)) directives.push(text.replace(DIRECTIVE, "").trim());
-      else kept.push(line);
-    });
-    while (kept.length && !kept[0].textContent.trim()) kept.shift();
-    while (kept.length && !kept[kept.length - 1].textContent.trim()) kept.pop();
+    if (!pre) return;
+    var lines = splitLines(pre);
     while (pre.firstChild) pre.removeChild(pre.firstChild);
-    kept.forEach(function (line) {
+    lines.forEach(function (line) {
       var indent = /^ */.exec(line.textContent)[0].length;
       line.style.setProperty("--nb-indent", indent + 4 + "ch");
       pre.appendChild(line);
       pre.appendChild(document.createTextNode("\n"));
     });
-    if (!kept.length) {
-      var input = cell.querySelector(":scope > .cell_input");
-      input.parentNode.removeChild(input);
-    }
-    return directives;
-  }
-
-  function applyDirectives(cell, directives) {
-    var flags = directives.join(" ").replace(/\s+/g, " ");
-    function drop(sel) {
-      cell.querySelectorAll(sel).forEach(function (el) { el.parentNode.removeChild(el); });
-    }
-    if (/(^| )(hide|include: ?false)( |$)/.test(flags)) return cell.parentNode.removeChild(cell);
-    if (/(^| )echo: ?false( |$)/.test(flags)) drop(":scope > .cell_input");
-    if (/(^| )output: ?false( |$)/.test(flags)) drop(":scope > .cell_output");
   }
 
   /* Printed progress bars: drop the lines that look like tqdm's, and the output if nothing else is left. */
@@ -167,8 +144,7 @@
     if (!article) return;
     var cells = Array.prototype.slice.call(article.querySelectorAll("div.cell"));
     cells.forEach(function (cell) {
-      applyDirectives(cell, stripDirectives(cell));
-      if (!cell.parentNode) return;
+      lineSpans(cell);
       stripProgress(cell);
       if (!cell.children.length) cell.parentNode.removeChild(cell);
     });

@@ -269,6 +269,7 @@ def test_one_column_on_a_narrow_window(routing_narrow):
 
 
 def test_code_shows_no_nbdev_directives(routing_wide, routing_narrow):
+    "Nor after the page's scripts ran (the build already took them out: test_no_page_holds_nbdev_directives)."
     for m in (routing_wide, routing_narrow):
         directives = [line for line in m["lines"] if line.lstrip().startswith("#|")]
         assert not directives, f"nbdev directives shown in the Routing chapter's code: {directives[:5]}"
@@ -316,3 +317,49 @@ def test_no_chapter_narrates_its_history_or_leaves_a_source_unnamed(site):
         text = re.sub(r"\s+", " ", text)
         found += [f"{page}: …{text[max(m.start() - 60, 0):m.end() + 60]}…" for m in _LOG_PHRASES.finditer(text)]
     assert not found, "\n".join(found[:20])
+
+
+# --- What the build itself must leave out (no JavaScript involved: a reader without it, a search engine and the
+# page's own search index see the HTML as built).
+
+def _pages(html: Path) -> list[Path]:
+    return sorted(p for p in html.rglob("*.html") if "_static" not in p.parts and "_sources" not in p.parts)
+
+
+def test_markdown_outputs_render_as_tables(site):
+    """Tables a cell prints with display(Markdown(...)) are rendered (MyST), never left as pipe text in a paragraph;
+    Chapter 4's results table is a <table>."""
+    html, _ = site
+    pipes = [f"{p.relative_to(html)}: {p.read_text(encoding='utf-8').count('<p>|')}" for p in _pages(html)
+             if "<p>|" in p.read_text(encoding="utf-8")]
+    assert not pipes, "tables left as pipe text (<p>|):\n" + "\n".join(pipes)
+    capsnet = (html / "nbs/04_capsnet.html").read_text(encoding="utf-8")
+    outputs = re.findall(r'<div class="cell_output[^"]*">(.*?)</div>\s*</div>\s*</div>', capsnet, re.S)
+    assert sum("<table" in o for o in outputs) >= 5, "Chapter 4's printed results tables are not rendered as tables"
+
+
+def test_no_page_holds_nbdev_directives(site):
+    "No `#|` anywhere in a page's HTML: _ext/nbdev_directives.py takes the directive lines out at build time."
+    html, _ = site
+    found = [f"{p.relative_to(html)}: {p.read_text(encoding='utf-8').count('#|')}" for p in _pages(html)
+             if "#|" in p.read_text(encoding="utf-8")]
+    assert not found, "nbdev directives in the built HTML:\n" + "\n".join(found)
+    index = (html / "searchindex.js").read_text(encoding="utf-8")
+    assert "#|" not in index, "nbdev directives in the search index"
+
+
+def test_directives_decide_what_is_shown():
+    "The build-time extension: directive lines go, `hide` drops the cell, `echo: false` keeps only the output."
+    sys.path.insert(0, str(ROOT / "_ext"))
+    from nbdev_directives import strip_notebook
+    import json as _json
+    out = {"output_type": "stream", "name": "stdout", "text": "4\n"}
+    nb = {"cells": [{"cell_type": "code", "source": "#| default_exp squash", "outputs": []},
+                    {"cell_type": "code", "source": "#| export\ndef f(x):\n    return x", "outputs": []},
+                    {"cell_type": "code", "source": "#| hide\nimport os", "outputs": []},
+                    {"cell_type": "code", "source": "#| echo: false\nprint(4)", "outputs": [out]},
+                    {"cell_type": "markdown", "source": "text"}]}
+    cells = _json.loads(strip_notebook(_json.dumps(nb)))["cells"]
+    assert [c["cell_type"] for c in cells] == ["code", "code", "markdown"]
+    assert cells[0]["source"] == "def f(x):\n    return x"
+    assert cells[1]["metadata"]["tags"] == ["remove-input"] and cells[1]["outputs"] == [out]

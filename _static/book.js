@@ -5,7 +5,8 @@
  *    book is built.) Each line of code becomes its own span, so that a long line wraps under itself.
  * 2. labml's layout (nn.labml.ai): each code cell is paired with the markdown blocks right before it (back to the
  *    previous code cell or heading) in a <div class="nb-pair"> holding <div class="nb-notes"> and
- *    <div class="nb-code">. book.css lays a pair out as two columns (notes left, code right, tops aligned) on a
+ *    <div class="nb-code">. A chapter's introduction is not paired; notes that hold an image, a table, a figure or
+ *    display math wider than their column make the pair "wide": notes across the page, code below. book.css lays a pair out as two columns (notes left, code right, tops aligned) on a
  *    window at least 1200 px wide, and as one column below that. Headings stay outside the pairs, full width.
  *
  * It runs once, when the DOM is parsed; it only moves nodes, so MathJax, search highlighting and the copy buttons
@@ -83,6 +84,8 @@
     if (output && !output.children.length) output.parentNode.removeChild(output);
   }
 
+  var MEDIA = "img, svg, table, figure, video";
+
   function pair(cell) {
     if (!cell.querySelector(":scope > .cell_input")) return;   // an output shown without its code stays full width
     var notes = [], prev = cell.previousElementSibling;
@@ -91,8 +94,12 @@
       notes.unshift(prev);
       prev = prev.previousElementSibling;
     }
+    // A chapter's introduction (the notes right under its title) is read on its own, not beside the first code cell.
+    if (notes.length && prev && prev.tagName === "H1") return;
     var box = document.createElement("div"), left = document.createElement("div"), right = document.createElement("div");
     box.className = "nb-pair" + (notes.length ? "" : " nb-pair--code-only");
+    // Notes that hold an image, a table or a figure take the full width, with their code below them.
+    if (notes.some(function (n) { return n.matches(MEDIA) || n.querySelector(MEDIA); })) box.classList.add("nb-pair--wide");
     left.className = "nb-notes";
     right.className = "nb-code";
     cell.parentNode.insertBefore(box, notes.length ? notes[0] : cell);
@@ -100,6 +107,23 @@
     right.appendChild(cell);
     box.appendChild(left);
     box.appendChild(right);
+  }
+
+  /* Display math wider than its notes column: once MathJax has typeset it, the pair takes the full width too. */
+  function widenForMath() {
+    document.querySelectorAll(".nb-pair:not(.nb-pair--wide) > .nb-notes").forEach(function (notes) {
+      var wide = Array.prototype.some.call(notes.querySelectorAll('mjx-container[display="true"]'), function (m) {
+        return m.scrollWidth > m.clientWidth + 1;
+      });
+      if (wide) notes.parentNode.classList.add("nb-pair--wide");
+    });
+  }
+
+  function whenTypeset(callback, tries) {
+    var mj = window.MathJax;
+    tries = tries || 0;
+    if (mj && mj.startup && mj.startup.promise) mj.startup.promise.then(callback);
+    else if (tries < 100) setTimeout(function () { whenTypeset(callback, tries + 1); }, 100);
   }
 
   /* The page's table of contents: on a wide window the paired layout needs its column, so it opens from the
@@ -154,6 +178,7 @@
     if (article.querySelector(".nb-pair")) {
       document.body.classList.add("nb-paired");
       tocButton();
+      whenTypeset(widenForMath);
     }
   }
 

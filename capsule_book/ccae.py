@@ -143,6 +143,7 @@ class CapsuleVotes(NamedTuple):
     l_k: Tensor          # [B, K, 1], the object presence logits ℓ_k (noise included)
     op_dynamic: Tensor   # [B, K, N, 6], the input-dependent part of OP_k,n's parameters
 
+# %% ../nbs/08_ccae.ipynb #b0645384
 def capsule_votes(raw: Tensor, bias: Tensor, op_static: Tensor, similarity: bool = True,
                   noise_scale: float = 0.0, static_parts: bool = False,
                   part_noise: bool = True, deformations: bool = True) -> CapsuleVotes:

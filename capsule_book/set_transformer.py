@@ -53,6 +53,7 @@ def _check_set(name: str, t: Tensor, dim: int, values: bool = True) -> None:
             raise ValueError(f"{name} must be finite, absent elements too (attention weighs them "
                              f"by 0, and 0·NaN = NaN); set(s) {_some(bad)} hold NaN or inf")
 
+# %% ../nbs/05_set_transformer.ipynb #8b81f447
 def _check_mask(mask: Optional[Tensor], B: int, m: int) -> Optional[Tensor]:
     """A mask is a bool tensor [B, m], True for present elements, with at
     least one present element per set."""
@@ -160,6 +161,7 @@ class RFF(nn.Sequential):
         dim_hidden = dim_hidden or dim_out
         super().__init__(nn.Linear(dim_in, dim_hidden), nn.ReLU(), nn.Linear(dim_hidden, dim_out))
 
+# %% ../nbs/05_set_transformer.ipynb #314cfe21
 class MAB(nn.Module):
     """Eqs. (4)-(5): MAB(X, Y) = LN(H + rFF(H)), H = LN(X + Multihead(X, Y, Y)); X [B, n, dim_q],
     Y [B, m, dim_kv] → [B, n, dim]."""
@@ -333,6 +335,7 @@ class _FewQueries(torch.autograd.Function):
             dY.baddbmm_(dS.transpose(1, 2), G.expand(Y.shape[0], -1, -1))
         return dG, dY, None
 
+# %% ../nbs/97_cpu_speed.ipynb #dfb831a5
 class _FewKeys(torch.autograd.Function):
     """Eq. (5.2)'s attention: softmax(X Gᵀ + c) U, the softmax over each head's m keys; X [B, n, c],
     G [B, h·m, c], c [B, h·m], U [B, h·m, d] → [B, n, d]."""
@@ -358,6 +361,7 @@ def _per_head(layer: nn.Linear, h: int) -> tuple[Tensor, Tensor]:
     "nn.Linear(c → d) as h heads: weight [h, d/h, c], bias [h, d/h]."
     return layer.weight.unflatten(0, (h, -1)), layer.bias.unflatten(0, (h, -1))
 
+# %% ../nbs/97_cpu_speed.ipynb #6beee552
 def attend_few_queries(mh: "Multihead", X: Tensor, Y: Tensor, mask: Optional[Tensor] = None,
                        y_map: Optional[nn.Linear] = None) -> Tensor:
     """Eq. (5.1): mh(X, Y', Y', mask) with Y' = y_map(Y) (or Y), W^K and W^V moved to the

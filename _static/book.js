@@ -84,7 +84,7 @@
     if (output && !output.children.length) output.parentNode.removeChild(output);
   }
 
-  var MEDIA = "img, svg, table, figure, video";
+  var MEDIA = "img, svg, table, figure, video, div.highlight";
 
   function pair(cell) {
     if (!cell.querySelector(":scope > .cell_input")) return;   // an output shown without its code stays full width

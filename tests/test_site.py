@@ -383,7 +383,7 @@ _LAYOUT = """() => {
     if (!notes || !notes.children.length) continue;
     const prev = pair.previousElementSibling;
     if (prev && prev.tagName === 'H1') problems.push('introduction paired with a code cell: ' + name(notes));
-    const media = notes.querySelector('img, svg, table, figure');
+    const media = notes.querySelector('img, svg, table, figure, div.highlight');
     if (media && window.innerWidth >= 1200 &&
         notes.getBoundingClientRect().width < 0.9 * pair.getBoundingClientRect().width)
       problems.push('a note with an image or table in a column: ' + name(notes));

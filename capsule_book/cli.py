@@ -54,6 +54,7 @@ def _is_user_error(e: BaseException) -> bool:
     from capsule_book.train import UserError
     return isinstance(e, (UserError, FileNotFoundError, ValueError))
 
+# %% ../nbs/93_cli.ipynb #62dd7bf6
 def main(argv: Optional[list[str]] = None) -> int:
     "Entry point of the `capsule-book` console script."
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -95,6 +96,7 @@ def device(text: str) -> str:
     except (ValueError, RuntimeError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
+# %% ../nbs/93_cli.ipynb #b5c896cf
 def run_arguments(p: argparse.ArgumentParser, out: str, steps: Optional[int],
                   eval_every: int = 0) -> None:
     "The engine's flags, the same for every `capsule-book train MODEL`."
@@ -131,6 +133,7 @@ def run_settings(args: argparse.Namespace) -> dict:
                 progress=not args.no_progress, checkpoint_every=args.checkpoint_every,
                 checkpoint_minutes=args.checkpoint_minutes, log_every=args.log_every)
 
+# %% ../nbs/93_cli.ipynb #49c52feb
 def resume_command(args: argparse.Namespace) -> str:
     "The command line that continues this run: the same one, with --resume."
     argv = list(getattr(args, "argv", []))
@@ -185,6 +188,7 @@ def capsnet_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="default $CAPSULE_BOOK_DATA, else ~/.cache/capsule_book")
     run_arguments(p, "runs/capsnet", None)
 
+# %% ../nbs/93_cli.ipynb #73aaca77
 @register("train", "capsnet", capsnet_train_arguments, help="CapsNet (Sabour et al. 2017) on MNIST")
 def train_capsnet_command(args: argparse.Namespace) -> int:
     """`capsule-book train capsnet`: train (or resume) through the engine;
@@ -252,6 +256,7 @@ def mog_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="held-out batches of 10 sets (default 100)")
     run_arguments(p, "runs/mog", 50_000, eval_every=1000)
 
+# %% ../nbs/93_cli.ipynb #aa1677ce
 @register("train", "mog", mog_train_arguments,
           help="amortised clustering of 4 Gaussians (Set Transformer, Sec. 5.3)")
 def train_mog_command(args: argparse.Namespace) -> int:
@@ -346,6 +351,7 @@ def ccae_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="fresh constellations per evaluation (default 2000)")
     run_arguments(p, "runs/ccae", 300_000, eval_every=10_000)
 
+# %% ../nbs/93_cli.ipynb #dcb06703
 def ccae_from_args(args: argparse.Namespace):
     """The CCAE that the `train ccae` arguments describe
     (shared by the command line and benchmarks/ccae.py)."""
@@ -372,6 +378,7 @@ def ccae_train_settings(args: argparse.Namespace) -> dict:
                 drop_prob=args.drop_prob, complete_steps=args.complete_steps, average=args.average,
                 resume_command=resume_command(args), **run_settings(args))
 
+# %% ../nbs/93_cli.ipynb #54c5816b
 @register("train", "ccae", ccae_train_arguments,
           help="Constellation Capsule Autoencoder (Kosiorek et al. 2019)")
 def train_ccae_command(args: argparse.Namespace) -> int:

@@ -51,8 +51,8 @@ class PartEncoder(nn.Module):
         self.cnn = nn.Sequential(*layers)
         self.n_parts, self.n_features, self.canvas = n_parts, n_features, canvas
         self.d = 6 + n_features + 1                                    # pose, features, presence
-        self.bias = nn.Parameter(torch.zeros(channels, side, side))    # b_s, one per position
-        self.head = nn.Conv2d(channels, n_parts * (self.d + 1), 1)     # (v_n,s, e_n,s) per part
+        self.bias = nn.Parameter(torch.zeros(channels, side, side))    # b_g, one per position
+        self.head = nn.Conv2d(channels, n_parts * (self.d + 1), 1)     # (v_n,g, e_n,g) per part
         sonnet_init(self)
 
     def forward(self, images: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -63,8 +63,8 @@ class PartEncoder(nn.Module):
         h = self.head(self.cnn(images) + self.bias)                    # [B, N(d+1), s, s]
         h = h.view(B, self.n_parts, self.d + 1, -1)                    # [B, N, d+1, S]
         alpha = h[:, :, -1].softmax(-1)                                # α_n: [B, N, S]
-        u = (h[:, :, :-1] * alpha[:, :, None]).sum(-1)                 # u_n, Eq. (10.1): [B, N, d]
-        pose, features, logit = u.split([6, self.n_features, 1], -1)
+        o = (h[:, :, :-1] * alpha[:, :, None]).sum(-1)                 # o_n, Eq. (10.1): [B, N, d]
+        pose, features, logit = o.split([6, self.n_features, 1], -1)
         return pose, features, logit[..., 0]
 
 # %% ../nbs/10_pcae.ipynb #7041fc97
@@ -149,7 +149,7 @@ class _PixelMixture(torch.autograd.Function):
         y, mu, l, mu_b, l_b, A, Z = ctx.saved_tensors
         c, g = ctx.c, g.view(-1, 1, 1, 1)
         d = y - mu
-        r = torch.addcmul(l, d, d, value=-c).sub_(A).exp_()                # r_n,i
+        r = torch.addcmul(l, d, d, value=-c).sub_(A).exp_()                # ψ_n,i
         d_l = (r - (l - Z).exp_()).mul_(g)                                 # Eq. (10.6)
         d_mu = r.mul_(d).mul_(2 * c * g)
         d_b = y - mu_b
@@ -185,14 +185,14 @@ class TemplateDecoder(nn.Module):
         return torch.sigmoid(self.template_logits)
 
     def colours(self, features: Tensor) -> Tensor:
-        "c_n from the special features [B, N, F]: [B, N] (ones if the templates are not coloured)."
+        "γ_n from the special features [B, N, F]: [B, N] (ones if the templates are not coloured)."
         if not self.colorize: return features.new_ones(features.shape[:2])
         return torch.sigmoid(self.colour(features))[..., 0]
 
     def components(self, pose: Tensor, presence: Tensor,
                    colour: Tensor) -> tuple[Tensor, Tensor]:
-        """The templates' components of Eq. (10.5) for poses [B, N, 3, 3], presences d [B, N] and
-        colours c [B, N]: means c_n T̂_n and logits Â_n + log d_n, each [B, N, H, W]."""
+        """The templates' components of Eq. (10.5) for poses [B, N, 3, 3], presences δ [B, N] and
+        brightnesses γ [B, N]: means γ_n T̂_n and logits Â_n + log δ_n, each [B, N, H, W]."""
         placed = transform_templates(torch.cat([self.templates(), self.alpha_logits], 1), pose,
                                      self.canvas)                                # [B, N, 2, H, W]
         ink, alpha = placed.unbind(2)

@@ -31,7 +31,7 @@ __all__ = ['presence_attention', 'PresenceSAB', 'PartSetEncoder', 'part_pose_lik
 def presence_attention(mh: Multihead, X: Tensor, Y: Tensor, presence: Tensor,
                        mask: str = "official") -> Tensor:
     """Multihead(X, Y, Y) of Chapter 5 with keys weighed by their presence [B, m] in [0, 1]:
-    'official' subtracts (1 - d) 1e32 from the scores (Eq. 11.1), 'log' adds log d.
+    'official' subtracts (1 - δ) 1e32 from the scores (Eq. 11.1), 'log' adds log δ.
     -> [B, n, dim]."""
     Qh, Kh, Vh = mh.heads(X, Y, Y)                                    # [B, h, n|m, dim/h]
     scores = Qh @ Kh.mT                                               # [B, h, n, m]
@@ -46,8 +46,8 @@ def presence_attention(mh: Multihead, X: Tensor, Y: Tensor, presence: Tensor,
     return mh.W_O(O.transpose(1, 2).flatten(-2))                      # [B, n, dim]
 
 class PresenceSAB(nn.Module):
-    """The official self-attention block with presences d [B, n]:
-    H = LN(d (X + Multihead(X, X, X))), out = LN(H + rFF(H)), the rFF 2·dim wide.
+    """The official self-attention block with presences δ [B, n]:
+    H = LN(δ (X + Multihead(X, X, X))), out = LN(H + rFF(H)), the rFF 2·dim wide.
     X [B, n, dim] -> [B, n, dim]."""
     def __init__(self, dim: int, n_heads: int, mask: str = "official"):
         super().__init__()
@@ -136,7 +136,7 @@ class SCAEConfig:
     prior_between: float = 0.35
     posterior_within: float = 0.7
     posterior_between: float = 0.2
-    prior_within_constant: Optional[float] = None    # None: K/C
+    prior_within_constant: Optional[float] = None    # None: K/n_cls
 
     def __post_init__(self):
         if self.presence_mask not in ("official", "log"):
@@ -158,12 +158,12 @@ class SCAEOutput(NamedTuple):
     "What `SCAE.forward` returns, for B images, N part capsules and K object capsules."
     loss: Tensor                 # [], Eq. (11.3)
     losses: dict                 # name -> [] tensor, each term of Eq. (11.3) before its weight
-    object_presence: Tensor      # [B, K], u_b,k = a_k max_n a_k,n
+    object_presence: Tensor      # [B, K], â_b,k = a_k max_n a_k,n
     posterior_presence: Tensor   # [B, K], sum_n p(k | x_n)
     part_pose: Tensor            # [B, N, 6], x_n
-    part_presence: Tensor        # [B, N], d_n
+    part_presence: Tensor        # [B, N], δ_n
     part_features: Tensor        # [B, N, F], z_n
-    part_colour: Tensor          # [B, N], c_n
+    part_colour: Tensor          # [B, N], γ_n
     means: Optional[Tensor]      # [B, N+1, H, W], the image mixture's components (eval mode)
     mixing_logits: Optional[Tensor]   # [B, N+1, H, W] (eval mode)
     reconstruction: Optional[Tensor]  # [B, 1, H, W], the mixture's mode (eval mode)
@@ -205,10 +205,10 @@ def _scae_forward(self: SCAE, images: Tensor) -> SCAEOutput:
     pose_raw, z, logit = self.part_encoder(images)                         # Eq. (10.1)
     if self.training and cfg.part_noise > 0:
         logit = logit + (torch.rand_like(logit) - 0.5) * cfg.part_noise
-    d = torch.sigmoid(logit)                                               # Eq. (10.2): [B, N]
+    d = torch.sigmoid(logit)                                               # δ_n, Eq. (10.2): [B, N]
     pose = geometric_transform(pose_raw, similarity=False)   # Eq. (10.3): [B, N, 3, 3]
     x = pose[..., :2, :].flatten(-2)                                       # x_n: [B, N, 6]
-    c = self.decoder.colours(z)                                            # c_n: [B, N]
+    c = self.decoder.colours(z)                                            # γ_n: [B, N]
     image_ll, ink, alpha = self.decoder(images, pose, d, c)                # Eq. (10.5)
     # the OCAE's input; gradients stopped but for the special features
     templates = (self.decoder.templates()[None, :, 0] * c[..., None, None]).flatten(-2)
@@ -389,8 +389,8 @@ def plot_scae_parts(out: SCAEOutput, images: Tensor, n_examples: int = 6,
     return fig
 
 def plot_object_capsules(out: SCAEOutput, images: Tensor, i: int = 0, top: int = 4):
-    """Image i, its object presences u_k, and for the `top` most present capsules the parts each
-    explains best (p(k | x_n) weighted by d_n). Returns the Figure."""
+    """Image i, its object presences â_k, and for the `top` most present capsules the parts each
+    explains best (p(k | x_n) weighted by δ_n). Returns the Figure."""
     import matplotlib.pyplot as plt
     u = out.object_presence[i].detach().cpu()
     best = u.argsort(descending=True)[:top]
@@ -400,13 +400,14 @@ def plot_object_capsules(out: SCAEOutput, images: Tensor, i: int = 0, top: int =
     fig, axes = plt.subplots(1, 2 + top, figsize=(2.0 * (2 + top), 2.3))
     axes[0].imshow(images[i, 0].cpu(), cmap="gray", vmin=0, vmax=1)
     axes[0].set_title("image", fontsize=8)
-    axes[1].bar(range(len(u)), u); axes[1].set(ylim=(0, 1), title="presences $u_k$", xlabel="k")
+    axes[1].bar(range(len(u)), u)
+    axes[1].set(ylim=(0, 1), title=r"presences $\hat a_k$", xlabel="k")
     axes[1].title.set_fontsize(8)
     for ax, k in zip(axes[2:], best.tolist()):
         mine = (owner == k) & (share[:, k] > 0.05)
         ink = (out.means[i, :N].detach().cpu() * share[:, k, None, None])[mine].sum(0)
         ax.imshow(ink.clamp(0, 1), cmap="gray", vmin=0, vmax=1)
-        ax.set_title(f"capsule {k}: u = {u[k]:.2f}, {int(mine.sum())} parts", fontsize=7)
+        ax.set_title(f"capsule {k}: â = {u[k]:.2f}, {int(mine.sum())} parts", fontsize=7)
     for ax in axes[[0, *range(2, 2 + top)]]: ax.set(xticks=[], yticks=[])
     fig.tight_layout()
     return fig

@@ -833,11 +833,11 @@ def scae() -> Canvas:
     att = c.box(lx, ys[2], bw, bh, "attention pooling per part (Eq. 10.1)",
                 "a softmax over the 25 positions for each of $N$ = 40", "attn")
     prt = c.box(lx, ys[3], bw, bh, "$N$ part capsules",
-                r"pose $x_n$ (affine), presence $d_n$, features $z_n$", "caps")
+                r"pose $x_n$ (affine), presence $\delta_n$, features $z_n$", "caps")
     tpl = c.box(lx, ys[4], bw, bh, "templates $T_n$ placed by $x_n$ (Eq. 10.4)",
-                r"11×11, alpha logits, colour $c_n$ from $z_n$", "dec")
+                r"11×11, alpha logits, brightness $\gamma_n$ from $z_n$", "dec")
     mix = c.box(lx, ys[5], bw, bh, "a mixture at every pixel (Eq. 10.5)",
-                r"weights $\propto d_n e^{\hat{A}_{n,i}}$, + a background", "mix")
+                r"weights $\propto \delta_n e^{\hat{A}_{n,i}}$, + a background", "mix")
     ll = c.box(lx, ys[6], bw, bh, r"$\log p(y)$ (maximised)", "summed over the 1,600 pixels", "loss")
     chain = [img, cnn, att, prt, tpl, mix, ll]
     labels = ["[B,1,40,40]", "[B,128,5,5]", "[B,N,6+16+1]", "", "[B,N+1,40,40]", ""]
@@ -846,14 +846,14 @@ def scae() -> Canvas:
         if s:
             c.shape(lx + 0.1, (a.b + b.t) / 2, s)
     st = c.box(rx, ys[2], bw, bh, "the parts as a set",
-               r"$[x_n,\ 1-d_n,\ z_n,\ c_n T_n]$: gradient stopped but for $z_n$", "data")
+               r"$[x_n,\ 1-\delta_n,\ z_n,\ \gamma_n T_n]$: gradient stopped but for $z_n$", "data")
     enc = c.box(rx, ys[3], bw, bh, "Set Transformer (Eq. 11.1)",
                 "3 blocks with presences, then $K$ = 32 learned queries", "attn")
     obj = c.box(rx, ys[4], bw, bh, "$K$ object capsules, their votes",
                 r"$v_{kn} = OV_k\,OP_{kn}$, scale $\lambda_{kn}$, weight $a_k a_{kn}$", "caps")
     pll = c.box(rx, ys[5], bw, bh, r"$\log p(x_{1:N})$ (Eq. 11.2), sparsity",
                 "each part's pose under its $K$ votes, weighted by $d_n$", "loss")
-    use = c.box(rx, ys[6], bw, bh, r"presences $u_k = a_k \max_n a_{kn}$",
+    use = c.box(rx, ys[6], bw, bh, r"presences $\hat{a}_k = a_k \max_n a_{kn}$",
                 "K-means on them: the digit, unsupervised", "plain")
     for a, b in zip([st, enc, obj, pll], [enc, obj, pll, use]):
         c.arrow(a.bottom(), b.top())

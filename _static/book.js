@@ -1,12 +1,12 @@
 /* capsule_book: how a chapter reads in the browser.
  *
- * 1. Tooling a reader should not see: nbdev directives (lines starting with `#|`) are taken out of every code
- *    cell, a cell left empty disappears, and progress-bar lines (tqdm) are taken out of printed outputs.
- *    `#| hide` and `#| include: false` hide the cell, `#| echo: false` its code, `#| output: false` its output,
- *    as nbdev does in its own docs.
+ * 1. Tooling a reader should not see: progress-bar lines (tqdm) are taken out of printed outputs. (nbdev's
+ *    directives, `#| export` and the like, never reach the page: _ext/nbdev_directives.py takes them out when the
+ *    book is built.) Each line of code becomes its own span, so that a long line wraps under itself.
  * 2. labml's layout (nn.labml.ai): each code cell is paired with the markdown blocks right before it (back to the
  *    previous code cell or heading) in a <div class="nb-pair"> holding <div class="nb-notes"> and
- *    <div class="nb-code">. book.css lays a pair out as two columns (notes left, code right, tops aligned) on a
+ *    <div class="nb-code">. A chapter's introduction is not paired; notes that hold an image, a table, a figure or
+ *    display math wider than their column make the pair "wide": notes across the page, code below. book.css lays a pair out as two columns (notes left, code right, tops aligned) on a
  *    window at least 1200 px wide, and as one column below that. Headings stay outside the pairs, full width.
  *
  * It runs once, when the DOM is parsed; it only moves nodes, so MathJax, search highlighting and the copy buttons
@@ -15,7 +15,6 @@
 (function () {
   "use strict";
 
-  var DIRECTIVE = /^\s*#\|/;
   var PROGRESS = /\d+%\|.*\|\s*\d+(\.\d+)?[kMG]?\/\d+(\.\d+)?[kMG]?\s*\[|\d+(\.\d+)?(it\/s|s\/it)[,\]]/;
   var HEADING = /^H[1-6]$/;
 
@@ -57,40 +56,19 @@
     });
   }
 
-  /* Take the directives out of one code cell; returns them (e.g. ["export", "hide"]). */
-  function stripDirectives(cell) {
+  /* One <span class="nb-line"> per line of a code cell, each with its indentation as --nb-indent (book.css wraps a
+   * long line under itself with a hanging indent). */
+  function lineSpans(cell) {
     var pre = cell.querySelector(":scope > .cell_input pre");
-    if (!pre) return [];
-    var lines = splitLines(pre), directives = [], kept = [];
-    lines.forEach(function (line) {
-      var text = line.textContent;
-      if (DIRECTIVE.test(text)) directives.push(text.replace(DIRECTIVE, "").trim());
-      else kept.push(line);
-    });
-    while (kept.length && !kept[0].textContent.trim()) kept.shift();
-    while (kept.length && !kept[kept.length - 1].textContent.trim()) kept.pop();
+    if (!pre) return;
+    var lines = splitLines(pre);
     while (pre.firstChild) pre.removeChild(pre.firstChild);
-    kept.forEach(function (line) {
+    lines.forEach(function (line) {
       var indent = /^ */.exec(line.textContent)[0].length;
       line.style.setProperty("--nb-indent", indent + 4 + "ch");
       pre.appendChild(line);
       pre.appendChild(document.createTextNode("\n"));
     });
-    if (!kept.length) {
-      var input = cell.querySelector(":scope > .cell_input");
-      input.parentNode.removeChild(input);
-    }
-    return directives;
-  }
-
-  function applyDirectives(cell, directives) {
-    var flags = directives.join(" ").replace(/\s+/g, " ");
-    function drop(sel) {
-      cell.querySelectorAll(sel).forEach(function (el) { el.parentNode.removeChild(el); });
-    }
-    if (/(^| )(hide|include: ?false)( |$)/.test(flags)) return cell.parentNode.removeChild(cell);
-    if (/(^| )echo: ?false( |$)/.test(flags)) drop(":scope > .cell_input");
-    if (/(^| )output: ?false( |$)/.test(flags)) drop(":scope > .cell_output");
   }
 
   /* Printed progress bars: drop the lines that look like tqdm's, and the output if nothing else is left. */
@@ -106,6 +84,8 @@
     if (output && !output.children.length) output.parentNode.removeChild(output);
   }
 
+  var MEDIA = "img, svg, table, figure, video, div.highlight";
+
   function pair(cell) {
     if (!cell.querySelector(":scope > .cell_input")) return;   // an output shown without its code stays full width
     var notes = [], prev = cell.previousElementSibling;
@@ -114,8 +94,12 @@
       notes.unshift(prev);
       prev = prev.previousElementSibling;
     }
+    // A chapter's introduction (the notes right under its title) is read on its own, not beside the first code cell.
+    if (notes.length && prev && prev.tagName === "H1") return;
     var box = document.createElement("div"), left = document.createElement("div"), right = document.createElement("div");
     box.className = "nb-pair" + (notes.length ? "" : " nb-pair--code-only");
+    // Notes that hold an image, a table or a figure take the full width, with their code below them.
+    if (notes.some(function (n) { return n.matches(MEDIA) || n.querySelector(MEDIA); })) box.classList.add("nb-pair--wide");
     left.className = "nb-notes";
     right.className = "nb-code";
     cell.parentNode.insertBefore(box, notes.length ? notes[0] : cell);
@@ -123,6 +107,23 @@
     right.appendChild(cell);
     box.appendChild(left);
     box.appendChild(right);
+  }
+
+  /* Display math wider than its notes column: once MathJax has typeset it, the pair takes the full width too. */
+  function widenForMath() {
+    document.querySelectorAll(".nb-pair:not(.nb-pair--wide) > .nb-notes").forEach(function (notes) {
+      var wide = Array.prototype.some.call(notes.querySelectorAll('mjx-container[display="true"]'), function (m) {
+        return m.scrollWidth > m.clientWidth + 1;
+      });
+      if (wide) notes.parentNode.classList.add("nb-pair--wide");
+    });
+  }
+
+  function whenTypeset(callback, tries) {
+    var mj = window.MathJax;
+    tries = tries || 0;
+    if (mj && mj.startup && mj.startup.promise) mj.startup.promise.then(callback);
+    else if (tries < 100) setTimeout(function () { whenTypeset(callback, tries + 1); }, 100);
   }
 
   /* The page's table of contents: on a wide window the paired layout needs its column, so it opens from the
@@ -167,8 +168,7 @@
     if (!article) return;
     var cells = Array.prototype.slice.call(article.querySelectorAll("div.cell"));
     cells.forEach(function (cell) {
-      applyDirectives(cell, stripDirectives(cell));
-      if (!cell.parentNode) return;
+      lineSpans(cell);
       stripProgress(cell);
       if (!cell.children.length) cell.parentNode.removeChild(cell);
     });
@@ -178,6 +178,7 @@
     if (article.querySelector(".nb-pair")) {
       document.body.classList.add("nb-paired");
       tocButton();
+      whenTypeset(widenForMath);
     }
   }
 

@@ -80,6 +80,7 @@ def mask_capsules(caps: Tensor, index: Tensor) -> Tensor:
     keep = F.one_hot(index, caps.shape[1]).to(caps.dtype)     # [B, J]
     return (caps * keep[:, :, None]).flatten(1)               # [B, J*D]
 
+# %% ../nbs/04_capsnet.ipynb #3b167744
 class CapsNet(nn.Module):
     """Sabour et al. (2017): Conv1 -> PrimaryCaps (1152 x 8-D) -> DigitCaps
     (10 x 16-D, routing) -> decoder."""
@@ -188,6 +189,7 @@ class TrainConfig:
     log_every: int = 50
     eval_every: Optional[int] = None      # default: once an epoch (and at the end)
 
+# %% ../nbs/04_capsnet.ipynb #25ae8f15
 # the settings that define a run: a checkpoint made with other values is refused on resume
 CAPSNET_RUN_KEYS = ("batch_size", "routing_iterations", "lr", "decay_rate", "decay_steps", "min_lr",
                     "recon_weight", "max_shift", "limit_train", "limit_test", "sample", "seed",
@@ -269,6 +271,7 @@ def capsnet_task(cfg: TrainConfig, rank: int = 0, world: int = 1,
                 resume_command=resume_command or "train_capsnet(TrainConfig(..., resume=True))")
     return task, len(train)
 
+# %% ../nbs/04_capsnet.ipynb #05cd0c36
 def train_capsnet(cfg: TrainConfig, resume_command: str = "") -> RunResult:
     """Train CapsNet on MNIST as `cfg` says, through the engine
     (one process, or every process under torchrun)."""
@@ -431,6 +434,7 @@ def routing_statistics(model: CapsNet, images: Tensor, labels: Tensor,
     res["label"] = labels
     return res
 
+# %% ../nbs/04_capsnet.ipynb #4c0cf739
 def summarise_routing(stats: dict) -> dict:
     "The ‖u_i‖-weighted means of `routing_statistics` over capsules and digits, and per true digit."
     # [N, 1152], each row sums to 1

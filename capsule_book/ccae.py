@@ -23,83 +23,7 @@ from .train import (RunResult, SyntheticStream, Task, UserError, fit, load_check
                                 trained_weights)
 
 # %% auto #0
-__all__ = ['OFFICIAL_WEIGHTS', 'OFFICIAL_MODEL', 'OFFICIAL_TEMPLATE_INIT', 'sab_on_present_rows', 'first_sab_on_present_rows',
-           'OfficialCapsuleEncoder', 'competitive_attention', 'capsule_encoder', 'BatchLinear', 'BatchMLP',
-           'geometric_transform', 'CapsuleVotes', 'capsule_votes', 'vote_mixture', 'ccae_losses', 'ccae_loss',
-           'CCAEOutput', 'CCAE', 'evaluate_ccae', 'FlatRMSprop', 'ccae_task', 'train_ccae', 'load_ccae', 'plot_ccae',
-           'plot_ccae_history']
-
-# %% ../nbs/08_ccae.ipynb #3cfddc21
-def _softmax_short_rows(s: Tensor) -> Tensor:
-    "softmax(s) over the last dimension, written out (on AVX-512 faster for short rows)."
-    e = (s - s.detach().amax(-1, keepdim=True)).exp()   # the shift cancels: no gradient through it
-    return e / e.sum(-1, keepdim=True)
-
-def _matmul_short(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b for the short rows of attention; compiled (*Training*, below) as products and sums,
-    which the compiler fuses into one loop where a bmm of 11×11 is mostly overhead."""
-    return (a[..., :, :, None] * b[..., None, :, :]).sum(-2) if compiling() else a @ b
-
-def _matmul_short_t(a: Tensor, b: Tensor) -> Tensor:
-    """a @ bᵀ as `_matmul_short`, compiled as products summed over the last dimension of both,
-    the one their rows hold contiguously."""
-    return (a[..., :, None, :] * b[..., None, :, :]).sum(-1) if compiling() else a @ b.mT
-
-def _set_out(packed: Tensor, rows: Tensor, B: int, M: int) -> Tensor:
-    "Packed rows [P, c] at their flat indices `rows` of [B·M] → [B, M, c], absent rows 0."
-    return packed.new_zeros(B * M, packed.shape[1]).index_copy(0, rows, packed).view(B, M, -1)
-
-def sab_on_present_rows(sab: SAB, h: Tensor, rows: Tensor, mask: Tensor) -> Tensor:
-    """SAB(X, mask) of Chapter 5 on the present rows only: h [P, d_in] holds the rows of
-    X [B, M, d_in] at the flat indices `rows` [P] (mask.flatten().nonzero()), mask [B, M] → the
-    same rows of the SAB's output, [P, dim]."""
-    B, M = mask.shape
-    mab, mh = sab.mab, sab.mab.multihead
-    # QW^Q, KW^K, VW^V in one product: [P, 3·dim]
-    qkv = F.linear(h, *mh.stacked((mh.W_Q, mh.W_K, mh.W_V)))
-    # attention needs the sets: rows set out as [B, M, 3·dim] (absent rows 0, never read)
-    full = _set_out(qkv, rows, B, M)
-    Q, K, V = full.view(B, M, 3, mh.h, mh.dim // mh.h).permute(2, 0, 3, 1, 4)   # [B, h, M, d/h]
-    scores = _matmul_short_t(Q, K) / math.sqrt(mh.score_scale)               # ÷ √s, Eq. (3)
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))    # absent keys: weight 0
-    O = _matmul_short(_softmax_short_rows(scores), V)                       # Eq. (1) per head
-    O = O.transpose(1, 2).reshape(B * M, mh.dim).index_select(0, rows)     # concat heads: [P, dim]
-    return mab.feed_forward(mab.ln0(mab.W_R(h) + mh.W_O(O)))               # Eqs. (5), (4): [P, dim]
-
-# %% ../nbs/08_ccae.ipynb #63bc2600
-def first_sab_on_present_rows(enc: nn.Module, X: Tensor, rows: Tensor, mask: Tensor) -> Tensor:
-    """SAB_1(X W_in) of the official encoder on the present rows `rows` [P] of X [B, M, 2]
-    (mask [B, M]), its projections folded into the affine embedding → [P, dim]."""
-    B, M, _ = X.shape
-    mab, mh = enc.sabs[0].mab, enc.sabs[0].mab.multihead
-    h, dh = mh.h, mh.dim // mh.h                                              # heads, d/h
-    x1 = torch.cat([X, X.new_ones(B, M, 1)], -1)[:, None]                   # x̃: [B, 1, M, 3]
-    W_in = torch.cat([enc.embed.weight, enc.embed.bias[:, None]], 1)          # W̃_in: [dim, 3]
-    # W̃_j = W_j W̃_in + [0 0 b_j] of Q, K, V: [h, d/h, 3]
-    Wq, Wk, Wv = ((l.weight @ W_in + F.pad(l.bias[:, None], (2, 0))).view(h, dh, 3)
-                  for l in (mh.W_Q, mh.W_K, mh.W_V))
-    G = Wq.mT @ Wk / math.sqrt(mh.score_scale)                                # G_j: [h, 3, 3]
-    scores = _matmul_short_t(_matmul_short(x1, G), x1)                        # s_j: [B, h, M, M]
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))      # absent keys: weight 0
-    u = _matmul_short(_softmax_short_rows(scores), x1)                        # u_j: [B, h, M, 3]
-    u = u.transpose(1, 2).reshape(B * M, 3 * h).index_select(0, rows)        # [P, 3h]
-    # F_j = W^O_j W̃^V_j side by side: [dim, 3h]
-    F_ = (mh.W_O.weight.view(-1, h, dh).transpose(0, 1) @ Wv).transpose(0, 1).reshape(-1, 3 * h)
-    x1 = x1.reshape(B * M, 3).index_select(0, rows)                          # [P, 3]
-    # h + Multihead(h), Eq. (5): [P, dim]
-    H = mab.ln0(F.linear(torch.cat([x1, u], 1), torch.cat([W_in, F_], 1), mh.W_O.bias))
-    return mab.feed_forward(H)                                                # Eq. (4): [P, dim]
-
-def _points_on_present_rows(enc: nn.Module, X: Tensor, mask: Tensor) -> Tensor:
-    """Z W of the official encoder (embedding, SABs, Z W) on the present points only →
-    [B, M, dim_out], absent rows 0."""
-    B, M, _ = X.shape
-    rows = mask.flatten().nonzero().squeeze(1)                              # [P]
-    h = first_sab_on_present_rows(enc, X, rows, mask)                       # [P, dim]
-    for sab in enc.sabs[1:]:
-        h = sab_on_present_rows(sab, h, rows, mask)
-    z = enc.z(h)                                                            # [P, dim_out]
-    return _set_out(z, rows, B, M)
+__all__ = ['OFFICIAL_WEIGHTS', 'OFFICIAL_MODEL', 'OFFICIAL_TEMPLATE_INIT', 'OfficialCapsuleEncoder', 'capsule_encoder', 'BatchLinear', 'BatchMLP', 'geometric_transform', 'CapsuleVotes', 'capsule_votes', 'vote_mixture', 'ccae_losses', 'sparsity_losses', 'ccae_loss', 'CCAEOutput', 'CCAE', 'evaluate_ccae', 'ccae_task', 'train_ccae', 'load_ccae', 'plot_ccae', 'plot_ccae_history', 'competitive_attention', 'sab_on_present_rows', 'first_sab_on_present_rows', 'FlatRMSprop']
 
 # %% ../nbs/08_ccae.ipynb #a4b228bb
 class OfficialCapsuleEncoder(nn.Module):
@@ -146,21 +70,6 @@ class OfficialCapsuleEncoder(nn.Module):
         O = competitive_attention(Qh, Kh, Vh, None if mask is None else mask[:, None, :])
         # [B, K, dim_out]
         return self.readout.W_O(O.transpose(1, 2).flatten(-2))
-
-# %% ../nbs/08_ccae.ipynb #7a5d3bcd
-def competitive_attention(Q: Tensor, K: Tensor, V: Tensor, mask: Optional[Tensor] = None,
-                          eps: float = 1e-8) -> Tensor:
-    """Eq. (8.1): each present point shared out among the n queries (softmax over the queries),
-    then each query's weighted mean of the values. Q [..., n, d], K [..., m, d], V [..., m, d_v],
-    mask [..., m] (True = present) → [..., n, d_v]."""
-    scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])      # [..., n, m]
-    # r_km: each point's shares, summing to 1 over the queries
-    r = scores.softmax(dim=-2)
-    if mask is not None:
-        r = r * mask.unsqueeze(-2).to(r.dtype)                     # absent points: no share
-    # each query's weights over the points, summing to 1 (0 for a query given nothing)
-    return (r / (r.sum(-1, keepdim=True) + eps)) @ V               # [..., n, d_v]
-
 
 # %% ../nbs/08_ccae.ipynb #e2a250ef
 def capsule_encoder(kind: str, n_objects: int, dim_special: int, dim: int = 128, n_heads: int = 4,
@@ -233,7 +142,9 @@ class CapsuleVotes(NamedTuple):
     log_a: Tensor        # [B, K, N], log a_k a_k,n
     l_k: Tensor          # [B, K, 1], the object presence logits ℓ_k (noise included)
     op_dynamic: Tensor   # [B, K, N, 6], the input-dependent part of OP_k,n's parameters
+    pose: Optional[Tensor] = None  # [B, K, N, 3, 3], the whole vote OV_k OP_k,n (Chapter 10)
 
+# %% ../nbs/08_ccae.ipynb #b0645384
 def capsule_votes(raw: Tensor, bias: Tensor, op_static: Tensor, similarity: bool = True,
                   noise_scale: float = 0.0, static_parts: bool = False,
                   part_noise: bool = True, deformations: bool = True) -> CapsuleVotes:
@@ -271,7 +182,7 @@ def capsule_votes(raw: Tensor, bias: Tensor, op_static: Tensor, similarity: bool
     lam = F.softplus(scale_params + 0.5) + 1e-2                                   # λ_k,n: [B, K, N]
     # log a_k a_k,n: [B, K, N]
     log_a = F.logsigmoid(l_k) + F.logsigmoid(l_kn)
-    return CapsuleVotes(mu, lam, log_a, l_k, op_dynamic)
+    return CapsuleVotes(mu, lam, log_a, l_k, op_dynamic, V)
 
 # %% ../nbs/08_ccae.ipynb #990639d8
 def vote_mixture(x: Tensor, present: Tensor, votes: CapsuleVotes, background: Optional[float] = None
@@ -311,14 +222,24 @@ def ccae_losses(votes: CapsuleVotes, log_likelihood: Tensor, posterior: Tensor, 
     pres_bce = F.binary_cross_entropy_with_logits(votes.l_k[..., 0], (wins > 1).float(),
                                                   reduction="none")
     u = a_kn.max(-1).values                                                       # u_b,k: [B, K]
-    C = n_classes
     # mass per capsule [B, K]
     mass = posterior.reshape(B, M, K, N).sum((1, 3))
     return {
         "nll": -log_likelihood.mean(),
         "dynamic_l2": 0.5 * votes.op_dynamic.pow(2).sum() / B,
         "presence": (pres_bce * (wins > 0)).sum(-1).mean(),
-        "prior_within": (u.sum(1) - K / C).pow(2).mean(),
+        **sparsity_losses(u, mass, n_classes),
+    }
+
+def sparsity_losses(u: Tensor, mass: Tensor, n_classes: int,
+                    within_constant: Optional[float] = None) -> dict:
+    """The prior sparsity terms of the object presences u [B, K] and the posterior ones of the
+    mass each capsule explains, mass [B, K]; each a [] tensor. The within-example prior asks
+    for `within_constant` capsules present per example (None: K/C)."""
+    (B, K), C = u.shape, n_classes
+    within = K / C if within_constant is None else within_constant
+    return {
+        "prior_within": (u.sum(1) - within).pow(2).mean(),
         "prior_between": (u.sum(0) - B / C).pow(2).mean(),
         "posterior_within": _entropy(mass, -1).mean(),
         "posterior_between": -_entropy(mass.sum(0), -1),
@@ -484,91 +405,6 @@ def evaluate_ccae(model: CCAE, n: int = 10_000, batch_size: int = 32, seed: int 
     model.train(was_training)
     return {**segmentation_report(a, y, p, model.K), "log_likelihood": ll.mean().item(), "n": n}
 
-# %% ../nbs/08_ccae.ipynb #96f73392
-class FlatRMSprop(torch.optim.RMSprop):
-    """torch.optim.RMSprop on one flat tensor holding all of `model`'s parameters: each parameter,
-    and its gradient, becomes a view of it (load weights with `model.load_state_dict`, which copies
-    into the views; a parameter replaced by another tensor would no longer be trained);
-    `compiled`: the same step as one compiled loop (*Training*, below)."""
-    def __init__(self, model: nn.Module, compiled: bool = False, **kwargs):
-        params = list(model.parameters())
-        if not params or len({(q.dtype, q.device) for q in params}) != 1:
-            raise ValueError("FlatRMSprop needs a model whose parameters share one dtype and "
-                             "device")
-        flat = torch.cat([q.detach().flatten() for q in params])
-        grad = torch.zeros_like(flat)
-        offset = 0
-        for q in params:
-            n = q.numel()
-            q.data = flat[offset:offset + n].view_as(q)
-            # backward adds into a gradient that exists, in place
-            q.grad = grad[offset:offset + n].view_as(q)
-            offset += n
-        self.flat = nn.Parameter(flat)
-        self.flat.grad = grad
-        super().__init__([self.flat], **kwargs)
-        self.compiled = compiled
-        self._lr = torch.zeros((), dtype=flat.dtype, device=flat.device)   # η for the compiled step
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        "Zero the flat gradient in place (the parameters' gradients are its views, never None)."
-        self.flat.grad.zero_()
-
-
-# %% ../nbs/08_ccae.ipynb #a08554dd
-_COMPILED: dict = {}                     # the compiled CCAE._forward, made on first use
-
-def _ccae_forward_compiled(self: CCAE, x: Tensor, present: Tensor) -> CCAEOutput:
-    """CCAE._forward through torch.compile: dynamic sizes (the batch, the packed encoder's
-    present rows) but a fixed number M of points a set, PyTorch's own random draws, no shape
-    checks in the compiled code; the same function as the eager one."""
-    import torch._dynamo.config as dynamo_config
-    import torch._inductor.config as inductor_config
-    if "forward" not in _COMPILED:
-        # the generated code's checks of every buffer's size and alignment: ~250 calls a step
-        _COMPILED["forward"] = compiled(                # torch.compile, a cache per CPU (App. A)
-            _ccae_forward_kept, dynamic=True,
-            options=dict(size_asserts=False, scalar_asserts=False, alignment_asserts=False))
-    # M a constant of the graph (a new M compiles anew): loops of a fixed length over the points
-    torch._dynamo.mark_static(x, 1); torch._dynamo.mark_static(present, 1)
-    # nonzero (the present rows) has a data-dependent size: traced, not a graph break
-    with dynamo_config.patch(capture_dynamic_output_shape_ops=True), \
-            inductor_config.patch(fallback_random=True):
-        return _COMPILED["forward"](self, x, present)
-
-CCAE._forward_compiled = _ccae_forward_compiled
-
-# %% ../nbs/08_ccae.ipynb #0b81eb72
-def _rmsprop_update(w: Tensor, g: Tensor, v: Tensor, m: Tensor, lr: Tensor, alpha: float,
-                    eps: float, momentum: float) -> None:
-    "torch's RMSprop step with momentum, in place: v ← αv + (1−α)g², m ← μm + g/(√v+ε), w ← w − ηm."
-    v.mul_(alpha).addcmul_(g, g, value=1 - alpha)
-    m.mul_(momentum).addcdiv_(g, v.sqrt().add_(eps))
-    w.sub_(m * lr)
-
-@torch.no_grad()
-def _flat_rmsprop_step(self: FlatRMSprop, closure=None):
-    """RMSprop's step; `self.compiled`: the same update as one compiled loop, η passed as a tensor
-    (no new compile when it changes)."""
-    group = self.param_groups[0]
-    plain = (not group["momentum"] or group["centered"] or group["weight_decay"]
-             or group["maximize"] or closure is not None)
-    if not self.compiled or plain:
-        return torch.optim.RMSprop.step(self, closure)
-    if "rmsprop" not in _COMPILED:
-        _COMPILED["rmsprop"] = compiled(_rmsprop_update, fullgraph=True, dynamic=False)
-    w = self.flat
-    state = self.state[w]
-    if not state:                                  # as torch's RMSprop starts its state
-        state.update(step=torch.tensor(0.0), square_avg=torch.zeros_like(w),
-                     momentum_buffer=torch.zeros_like(w))
-    self._lr.fill_(group["lr"])
-    state["step"] += 1
-    _COMPILED["rmsprop"](w, w.grad, state["square_avg"], state["momentum_buffer"], self._lr,
-                         group["alpha"], group["eps"], group["momentum"])
-
-FlatRMSprop.step = _flat_rmsprop_step
-
 # %% ../nbs/08_ccae.ipynb #46cb84ff
 def ccae_task(model: CCAE, batch_size: int = 32, lr: float = 1e-4, seed: int = 0,
               optimizer: str = "rmsprop", lr_decay: float = 1.0, decay_steps: int = 10_000,
@@ -698,3 +534,174 @@ def plot_ccae_history(histories: Union[list[dict], dict[str, list[dict]]]):
         if ax.get_legend_handles_labels()[0]: ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     return fig
+
+# %% ../nbs/08b_book_ccae.ipynb #7a5d3bcd
+def competitive_attention(Q: Tensor, K: Tensor, V: Tensor, mask: Optional[Tensor] = None,
+                          eps: float = 1e-8) -> Tensor:
+    """Eq. (8.1): each present point shared out among the n queries (softmax over the queries),
+    then each query's weighted mean of the values. Q [..., n, d], K [..., m, d], V [..., m, d_v],
+    mask [..., m] (True = present) → [..., n, d_v]."""
+    scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.shape[-1])      # [..., n, m]
+    # r_km: each point's shares, summing to 1 over the queries
+    r = scores.softmax(dim=-2)
+    if mask is not None:
+        r = r * mask.unsqueeze(-2).to(r.dtype)                     # absent points: no share
+    # each query's weights over the points, summing to 1 (0 for a query given nothing)
+    return (r / (r.sum(-1, keepdim=True) + eps)) @ V               # [..., n, d_v]
+
+# %% ../nbs/97_cpu_speed.ipynb #3cfddc21
+def _softmax_short_rows(s: Tensor) -> Tensor:
+    "softmax(s) over the last dimension, written out (on AVX-512 faster for short rows)."
+    e = (s - s.detach().amax(-1, keepdim=True)).exp()   # the shift cancels: no gradient through it
+    return e / e.sum(-1, keepdim=True)
+
+def _matmul_short(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b for the short rows of attention; compiled (*Training*, below) as products and sums,
+    which the compiler fuses into one loop where a bmm of 11×11 is mostly overhead."""
+    return (a[..., :, :, None] * b[..., None, :, :]).sum(-2) if compiling() else a @ b
+
+def _matmul_short_t(a: Tensor, b: Tensor) -> Tensor:
+    """a @ bᵀ as `_matmul_short`, compiled as products summed over the last dimension of both,
+    the one their rows hold contiguously."""
+    return (a[..., :, None, :] * b[..., None, :, :]).sum(-1) if compiling() else a @ b.mT
+
+def _set_out(packed: Tensor, rows: Tensor, B: int, M: int) -> Tensor:
+    "Packed rows [P, c] at their flat indices `rows` of [B·M] → [B, M, c], absent rows 0."
+    return packed.new_zeros(B * M, packed.shape[1]).index_copy(0, rows, packed).view(B, M, -1)
+
+def sab_on_present_rows(sab: SAB, h: Tensor, rows: Tensor, mask: Tensor) -> Tensor:
+    """SAB(X, mask) of Chapter 5 on the present rows only: h [P, d_in] holds the rows of
+    X [B, M, d_in] at the flat indices `rows` [P] (mask.flatten().nonzero()), mask [B, M] → the
+    same rows of the SAB's output, [P, dim]."""
+    B, M = mask.shape
+    mab, mh = sab.mab, sab.mab.multihead
+    # QW^Q, KW^K, VW^V in one product: [P, 3·dim]
+    qkv = F.linear(h, *mh.stacked((mh.W_Q, mh.W_K, mh.W_V)))
+    # attention needs the sets: rows set out as [B, M, 3·dim] (absent rows 0, never read)
+    full = _set_out(qkv, rows, B, M)
+    Q, K, V = full.view(B, M, 3, mh.h, mh.dim // mh.h).permute(2, 0, 3, 1, 4)   # [B, h, M, d/h]
+    scores = _matmul_short_t(Q, K) / math.sqrt(mh.score_scale)               # ÷ √s, Eq. (3)
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))    # absent keys: weight 0
+    O = _matmul_short(_softmax_short_rows(scores), V)                       # Eq. (1) per head
+    O = O.transpose(1, 2).reshape(B * M, mh.dim).index_select(0, rows)     # concat heads: [P, dim]
+    return mab.feed_forward(mab.ln0(mab.W_R(h) + mh.W_O(O)))               # Eqs. (5), (4): [P, dim]
+
+# %% ../nbs/97_cpu_speed.ipynb #63bc2600
+def first_sab_on_present_rows(enc: nn.Module, X: Tensor, rows: Tensor, mask: Tensor) -> Tensor:
+    """SAB_1(X W_in) of the official encoder on the present rows `rows` [P] of X [B, M, 2]
+    (mask [B, M]), its projections folded into the affine embedding → [P, dim]."""
+    B, M, _ = X.shape
+    mab, mh = enc.sabs[0].mab, enc.sabs[0].mab.multihead
+    h, dh = mh.h, mh.dim // mh.h                                              # heads, d/h
+    x1 = torch.cat([X, X.new_ones(B, M, 1)], -1)[:, None]                   # x̃: [B, 1, M, 3]
+    W_in = torch.cat([enc.embed.weight, enc.embed.bias[:, None]], 1)          # W̃_in: [dim, 3]
+    # W̃_j = W_j W̃_in + [0 0 b_j] of Q, K, V: [h, d/h, 3]
+    Wq, Wk, Wv = ((l.weight @ W_in + F.pad(l.bias[:, None], (2, 0))).view(h, dh, 3)
+                  for l in (mh.W_Q, mh.W_K, mh.W_V))
+    G = Wq.mT @ Wk / math.sqrt(mh.score_scale)                                # G_j: [h, 3, 3]
+    scores = _matmul_short_t(_matmul_short(x1, G), x1)                        # s_j: [B, h, M, M]
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))      # absent keys: weight 0
+    u = _matmul_short(_softmax_short_rows(scores), x1)                        # u_j: [B, h, M, 3]
+    u = u.transpose(1, 2).reshape(B * M, 3 * h).index_select(0, rows)        # [P, 3h]
+    # F_j = W^O_j W̃^V_j side by side: [dim, 3h]
+    F_ = (mh.W_O.weight.view(-1, h, dh).transpose(0, 1) @ Wv).transpose(0, 1).reshape(-1, 3 * h)
+    x1 = x1.reshape(B * M, 3).index_select(0, rows)                          # [P, 3]
+    # h + Multihead(h), Eq. (5): [P, dim]
+    H = mab.ln0(F.linear(torch.cat([x1, u], 1), torch.cat([W_in, F_], 1), mh.W_O.bias))
+    return mab.feed_forward(H)                                                # Eq. (4): [P, dim]
+
+def _points_on_present_rows(enc: nn.Module, X: Tensor, mask: Tensor) -> Tensor:
+    """Z W of the official encoder (embedding, SABs, Z W) on the present points only →
+    [B, M, dim_out], absent rows 0."""
+    B, M, _ = X.shape
+    rows = mask.flatten().nonzero().squeeze(1)                              # [P]
+    h = first_sab_on_present_rows(enc, X, rows, mask)                       # [P, dim]
+    for sab in enc.sabs[1:]:
+        h = sab_on_present_rows(sab, h, rows, mask)
+    z = enc.z(h)                                                            # [P, dim_out]
+    return _set_out(z, rows, B, M)
+
+# %% ../nbs/97_cpu_speed.ipynb #96f73392
+class FlatRMSprop(torch.optim.RMSprop):
+    """torch.optim.RMSprop on one flat tensor holding all of `model`'s parameters: each parameter,
+    and its gradient, becomes a view of it (load weights with `model.load_state_dict`, which copies
+    into the views; a parameter replaced by another tensor would no longer be trained);
+    `compiled`: the same step as one compiled loop (*Training*, below)."""
+    def __init__(self, model: nn.Module, compiled: bool = False, **kwargs):
+        params = list(model.parameters())
+        if not params or len({(q.dtype, q.device) for q in params}) != 1:
+            raise ValueError("FlatRMSprop needs a model whose parameters share one dtype and "
+                             "device")
+        flat = torch.cat([q.detach().flatten() for q in params])
+        grad = torch.zeros_like(flat)
+        offset = 0
+        for q in params:
+            n = q.numel()
+            q.data = flat[offset:offset + n].view_as(q)
+            # backward adds into a gradient that exists, in place
+            q.grad = grad[offset:offset + n].view_as(q)
+            offset += n
+        self.flat = nn.Parameter(flat)
+        self.flat.grad = grad
+        super().__init__([self.flat], **kwargs)
+        self.compiled = compiled
+        self._lr = torch.zeros((), dtype=flat.dtype, device=flat.device)   # η for the compiled step
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        "Zero the flat gradient in place (the parameters' gradients are its views, never None)."
+        self.flat.grad.zero_()
+
+
+# %% ../nbs/97_cpu_speed.ipynb #a08554dd
+_COMPILED: dict = {}                     # the compiled CCAE._forward, made on first use
+
+def _ccae_forward_compiled(self: CCAE, x: Tensor, present: Tensor) -> CCAEOutput:
+    """CCAE._forward through torch.compile: dynamic sizes (the batch, the packed encoder's
+    present rows) but a fixed number M of points a set, PyTorch's own random draws, no shape
+    checks in the compiled code; the same function as the eager one."""
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+    if "forward" not in _COMPILED:
+        # the generated code's checks of every buffer's size and alignment: ~250 calls a step
+        _COMPILED["forward"] = compiled(                # torch.compile, a cache per CPU (App. A)
+            _ccae_forward_kept, dynamic=True,
+            options=dict(size_asserts=False, scalar_asserts=False, alignment_asserts=False))
+    # M a constant of the graph (a new M compiles anew): loops of a fixed length over the points
+    torch._dynamo.mark_static(x, 1); torch._dynamo.mark_static(present, 1)
+    # nonzero (the present rows) has a data-dependent size: traced, not a graph break
+    with dynamo_config.patch(capture_dynamic_output_shape_ops=True), \
+            inductor_config.patch(fallback_random=True):
+        return _COMPILED["forward"](self, x, present)
+
+CCAE._forward_compiled = _ccae_forward_compiled
+
+# %% ../nbs/97_cpu_speed.ipynb #0b81eb72
+def _rmsprop_update(w: Tensor, g: Tensor, v: Tensor, m: Tensor, lr: Tensor, alpha: float,
+                    eps: float, momentum: float) -> None:
+    "torch's RMSprop step with momentum, in place: v ← αv + (1−α)g², m ← μm + g/(√v+ε), w ← w − ηm."
+    v.mul_(alpha).addcmul_(g, g, value=1 - alpha)
+    m.mul_(momentum).addcdiv_(g, v.sqrt().add_(eps))
+    w.sub_(m * lr)
+
+@torch.no_grad()
+def _flat_rmsprop_step(self: FlatRMSprop, closure=None):
+    """RMSprop's step; `self.compiled`: the same update as one compiled loop, η passed as a tensor
+    (no new compile when it changes)."""
+    group = self.param_groups[0]
+    plain = (not group["momentum"] or group["centered"] or group["weight_decay"]
+             or group["maximize"] or closure is not None)
+    if not self.compiled or plain:
+        return torch.optim.RMSprop.step(self, closure)
+    if "rmsprop" not in _COMPILED:
+        _COMPILED["rmsprop"] = compiled(_rmsprop_update, fullgraph=True, dynamic=False)
+    w = self.flat
+    state = self.state[w]
+    if not state:                                  # as torch's RMSprop starts its state
+        state.update(step=torch.tensor(0.0), square_avg=torch.zeros_like(w),
+                     momentum_buffer=torch.zeros_like(w))
+    self._lr.fill_(group["lr"])
+    state["step"] += 1
+    _COMPILED["rmsprop"](w, w.grad, state["square_avg"], state["momentum_buffer"], self._lr,
+                         group["alpha"], group["eps"], group["momentum"])
+
+FlatRMSprop.step = _flat_rmsprop_step

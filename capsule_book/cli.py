@@ -17,7 +17,8 @@ __all__ = ['COMMANDS', 'finite', 'non_negative', 'probability', 'register', 'Par
            'resume_command', 'eval_arguments', 'load_for_eval', 'capsnet_train_arguments', 'train_capsnet_command',
            'capsnet_eval_arguments', 'eval_capsnet_command', 'mog_train_arguments', 'train_mog_command',
            'mog_eval_arguments', 'eval_mog_command', 'ccae_train_arguments', 'ccae_from_args', 'ccae_train_settings',
-           'train_ccae_command', 'ccae_eval_arguments', 'eval_ccae_command']
+           'train_ccae_command', 'ccae_eval_arguments', 'eval_ccae_command', 'scae_train_arguments',
+           'train_scae_command', 'scae_eval_arguments', 'eval_scae_command']
 
 # %% ../nbs/93_cli.ipynb #642e09a9
 COMMANDS: dict[str, dict[str, tuple[Callable, Callable, str]]] = {"train": {}, "eval": {}}
@@ -57,6 +58,7 @@ def _is_user_error(e: BaseException) -> bool:
     # (OSError: a full disk, a read-only folder, a file that cannot be read)
     return isinstance(e, (UserError, OSError, ValueError))
 
+# %% ../nbs/93_cli.ipynb #62dd7bf6
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the `capsule-book` console script: a user's mistake exits with status 2
     and one line, Ctrl-C with status 130."""
@@ -134,6 +136,7 @@ def device(text: str) -> str:
     except (ValueError, RuntimeError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
+# %% ../nbs/93_cli.ipynb #b5c896cf
 def run_arguments(p: argparse.ArgumentParser, out: str, steps: Optional[int],
                   eval_every: int = 0) -> None:
     "The engine's flags, the same for every `capsule-book train MODEL`."
@@ -171,6 +174,7 @@ def run_settings(args: argparse.Namespace) -> dict:
                 progress=not args.no_progress, checkpoint_every=args.checkpoint_every,
                 checkpoint_minutes=args.checkpoint_minutes, log_every=args.log_every)
 
+# %% ../nbs/93_cli.ipynb #49c52feb
 def resume_command(args: argparse.Namespace) -> str:
     "The command line that continues this run: the same one, with --resume."
     argv = list(getattr(args, "argv", []))
@@ -235,6 +239,7 @@ def capsnet_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="default $CAPSULE_BOOK_DATA, else ~/.cache/capsule_book")
     run_arguments(p, "runs/capsnet", None)
 
+# %% ../nbs/93_cli.ipynb #73aaca77
 @register("train", "capsnet", capsnet_train_arguments, help="CapsNet (Sabour et al. 2017) on MNIST")
 def train_capsnet_command(args: argparse.Namespace) -> int:
     """`capsule-book train capsnet`: train (or resume) through the engine;
@@ -300,6 +305,7 @@ def mog_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="held-out batches of 10 sets (default 100)")
     run_arguments(p, "runs/mog", 50_000, eval_every=1000)
 
+# %% ../nbs/93_cli.ipynb #aa1677ce
 @register("train", "mog", mog_train_arguments,
           help="amortised clustering of 4 Gaussians (Set Transformer, Sec. 5.3)")
 def train_mog_command(args: argparse.Namespace) -> int:
@@ -397,6 +403,7 @@ def ccae_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="fresh constellations per evaluation (default 2000)")
     run_arguments(p, "runs/ccae", 300_000, eval_every=10_000)
 
+# %% ../nbs/93_cli.ipynb #dcb06703
 def ccae_from_args(args: argparse.Namespace):
     """The CCAE that the `train ccae` arguments describe
     (shared by the command line and benchmarks/ccae.py)."""
@@ -422,6 +429,7 @@ def ccae_train_settings(args: argparse.Namespace) -> dict:
                 drop_prob=args.drop_prob, complete_steps=args.complete_steps, average=args.average,
                 resume_command=resume_command(args), **run_settings(args))
 
+# %% ../nbs/93_cli.ipynb #54c5816b
 @register("train", "ccae", ccae_train_arguments,
           help="Constellation Capsule Autoencoder (Kosiorek et al. 2019)")
 def train_ccae_command(args: argparse.Namespace) -> int:
@@ -459,4 +467,94 @@ def eval_ccae_command(args: argparse.Namespace) -> int:
     print(json.dumps({**source,
                       **evaluate_ccae(model, n=args.n, batch_size=config.get("batch_size", 32),
                                                 seed=args.seed)}))
+    return 0
+
+# %% ../nbs/93_cli.ipynb #7d599b9f
+def scae_train_arguments(p: argparse.ArgumentParser) -> None:
+    "The flags of `capsule-book train scae` (the official MNIST configuration by default)."
+    p.add_argument("--batch-size", type=positive, default=128, help="official 128")
+    p.add_argument("--lr", type=positive_float, default=3e-5, help="official 3e-5")
+    p.add_argument("--optimizer", choices=["rmsprop", "adam"], default="rmsprop")
+    p.add_argument("--lr-decay", type=positive_float, default=1.0,
+                   help="multiply η by this every 10,000 steps, continuously (official code: "
+                        "computes 0.96, uses 1)")
+    p.add_argument("--presence-mask", choices=["official", "log"], default="official",
+                   help="how the set encoder weighs parts by presence: official (-(1-d)·1e32) or "
+                        "log (adds log d to the scores)")
+    p.add_argument("--n-parts", type=positive, default=40, help="part capsules (official 40)")
+    p.add_argument("--n-objects", type=positive, default=32, help="object capsules (official 32)")
+    p.add_argument("--prior-within-constant", type=positive_float, default=None,
+                   help="object capsules asked to be present per image (default K/C = 3.2)")
+    p.add_argument("--average", type=float, default=0.0,
+                   help="evaluate and end with a moving average of the weights, decay D per step")
+    p.add_argument("--eval-n", type=positive, default=10_000,
+                   help="training and test digits per evaluation (default 10000)")
+    p.add_argument("--sample", action="store_true",
+                   help="the MNIST sample shipped with the package (2,000/1,000)")
+    p.add_argument("--data-root", default=None,
+                   help="default $CAPSULE_BOOK_DATA, else ~/.cache/capsule_book")
+    run_arguments(p, "runs/scae", 300_000, eval_every=10_000)
+
+@register("train", "scae", scae_train_arguments,
+          help="image Stacked Capsule Autoencoder (Kosiorek et al. 2019) on MNIST")
+def train_scae_command(args: argparse.Namespace) -> int:
+    """`capsule-book train scae`: train (or resume) through the engine;
+    print the last metrics row as JSON."""
+    import torch
+    from capsule_book.scae import SCAE, SCAEConfig, train_scae
+    from capsule_book.utils import pick_device
+    if not 0 <= args.average < 1:
+        raise ValueError(f"--average must lie in [0, 1), got {args.average}")
+    if args.lr_decay > 1: raise ValueError(f"--lr-decay must lie in (0, 1], got {args.lr_decay}")
+    config = SCAEConfig(n_parts=args.n_parts, n_objects=args.n_objects,
+                        presence_mask=args.presence_mask,
+                        prior_within_constant=args.prior_within_constant)
+    dev = pick_device(args.device)
+    # as `train ccae`: subnormal floats flushed to zero on a CPU, for this command only
+    was_flushed = (torch.tensor([1e-39]) * 1.0).item() == 0.0
+    if dev.type == "cpu": torch.set_flush_denormal(True)
+    try:
+        torch.manual_seed(args.seed)
+        model = SCAE(config, seed=args.seed).to(dev)
+        result = train_scae(model, args.steps, batch_size=args.batch_size, lr=args.lr,
+                            optimizer=args.optimizer, lr_decay=args.lr_decay, seed=args.seed,
+                            eval_n=args.eval_n, sample=args.sample, data_root=args.data_root,
+                            average=args.average, eval_every=args.eval_every,
+                            resume_command=resume_command(args), **run_settings(args))
+    finally:
+        torch.set_flush_denormal(was_flushed)
+    return print_last_row(result)
+
+def scae_eval_arguments(p: argparse.ArgumentParser) -> None:
+    "The flags of `capsule-book eval scae`."
+    eval_arguments(p, "scae")
+    p.add_argument("--n-train", type=positive, default=60_000,
+                   help="training digits K-means is fitted on (default all 60000)")
+    p.add_argument("--n-test", type=positive, default=10_000, help="test digits (default 10000)")
+    p.add_argument("--probe", action="store_true", help="also the linear probe's accuracy")
+    p.add_argument("--sample", action="store_true",
+                   help="the shipped sample's 2,000 training and 1,000 test digits")
+    p.add_argument("--data-root", default=None)
+    p.add_argument("--batch-size", type=positive, default=500)
+
+@register("eval", "scae", scae_eval_arguments,
+          help="unsupervised MNIST accuracy of an SCAE checkpoint or shipped weights")
+def eval_scae_command(args: argparse.Namespace) -> int:
+    """`capsule-book eval scae`: K-means accuracy of the object presences (random placement and
+    centred test digits), printed as JSON."""
+    from capsule_book.data import CanvasBatches, load_mnist
+    from capsule_book.scae import evaluate_scae, load_scae
+    model, source, config = load_for_eval(args, "scae", load_scae)
+    canvas, dev = model.config.canvas, next(model.parameters()).device
+    x_tr, y_tr = load_mnist(True, root=args.data_root, limit=args.n_train, sample=args.sample)
+    x_te, y_te = load_mnist(False, root=args.data_root, limit=args.n_test, sample=args.sample)
+    batches = lambda x, y, seed, shift=True: CanvasBatches(x, y, args.batch_size, canvas,
+                                                           shift=shift, seed=seed, device=dev)
+    train = batches(x_tr, y_tr, 10_001)
+    result = {**source, "n_train": len(y_tr), "n_test": len(y_te)}
+    for name, test in (("shifted", batches(x_te, y_te, 10_002)),
+                       ("centred", batches(x_te, y_te, 0, shift=False))):
+        scores = evaluate_scae(model, train, test, probe=args.probe)
+        result.update({f"{name}_{k}": round(v, 4) for k, v in scores.items()})
+    print(json.dumps(result))
     return 0

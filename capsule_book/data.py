@@ -9,7 +9,8 @@ from typing import Optional, Union
 
 # %% auto #0
 __all__ = ['DATA_ENV', 'DEFAULT_DATA_ROOT', 'IDX_TYPES', 'MNIST_SAMPLE_SIZE', 'MNIST_FILES', 'data_root', 'read_idx',
-           'mnist_sample_folder', 'mnist_raw_folder', 'load_mnist', 'random_shift', 'MNISTBatches']
+           'mnist_sample_folder', 'mnist_raw_folder', 'load_mnist', 'random_shift', 'MNISTBatches', 'canvas_offsets',
+           'place_on_canvas', 'CanvasBatches']
 
 # %% ../nbs/91_data.ipynb #d23931b1
 DATA_ENV = "CAPSULE_BOOK_DATA"
@@ -177,3 +178,55 @@ class MNISTBatches:
             x = self.images[j].to(self.device, non_blocking=True).float().div_(255)
             if self.max_shift: x = random_shift(x, self.max_shift, g)
             yield x, self.labels[j].to(self.device, non_blocking=True)
+
+# %% ../nbs/91_data.ipynb #47ea556b
+def canvas_offsets(shift: Tensor, room: int) -> Tensor:
+    """Eq. (B.1): the first row/column of a digit on a canvas with `room` pixels to spare, for
+    draws `shift` in [-room, room] (any shape, integers) as the official pad_and_shift."""
+    if (shift.abs() > room).any():
+        raise ValueError(f"shifts must lie in [-{room}, {room}], got {shift.min().item()} to "
+                         f"{shift.max().item()}")
+    return shift.clamp(max=0).abs() + (room - shift.abs() + 1) // 2
+
+def place_on_canvas(images: Tensor, offsets: Tensor, canvas: int = 40) -> Tensor:
+    """Digits [B, h, w] (or [B, 1, h, w]) with their top-left corners at offsets [B, 2]
+    (row, column) on a black canvas: [B, 1, canvas, canvas], the digits' dtype."""
+    if images.dim() == 4: images = images[:, 0]
+    if images.dim() != 3 or offsets.shape != (images.shape[0], 2):
+        raise ValueError(f"expected images [B, h, w] and offsets [B, 2], got "
+                         f"{list(images.shape)} and {list(offsets.shape)}")
+    B, h, w = images.shape
+    if ((offsets < 0).any() or (offsets[:, 0] + h > canvas).any()
+            or (offsets[:, 1] + w > canvas).any()):
+        raise ValueError(f"every {h}x{w} digit must lie inside the {canvas}x{canvas} canvas; "
+                         f"offsets range from {offsets.min().item()} to {offsets.max().item()}")
+    rows = (offsets[:, :1] + torch.arange(h))[:, :, None]                           # [B, h, 1]
+    cols = (offsets[:, 1:] + torch.arange(w))[:, None, :]                           # [B, 1, w]
+    out = images.new_zeros(B, canvas, canvas)
+    out[torch.arange(B)[:, None, None], rows, cols] = images
+    return out[:, None]                                                             # [B, 1, C, C]
+
+class CanvasBatches(MNISTBatches):
+    """`MNISTBatches` with every digit on a canvas x canvas black image, at the official random
+    offset (Eq. B.1) or centred (`shift=False`): images [B, 1, canvas, canvas] in [0, 1], labels."""
+    def __init__(self, images: Tensor, labels: Tensor, batch_size: int = 128, canvas: int = 40,
+                 shift: bool = True, **kwargs):
+        super().__init__(images, labels, batch_size, **kwargs)
+        if canvas < self.images.shape[-1]:
+            raise ValueError(f"canvas ({canvas}) must be at least the digits' size "
+                             f"({self.images.shape[-1]})")
+        self.canvas, self.shift = canvas, shift
+
+    def iter_from(self, first: int = 0):
+        "The epoch's batches from batch `first` on (skipped batches still draw their offsets)."
+        idx, room = self.indices(), self.canvas - self.images.shape[-1]
+        g = torch.Generator().manual_seed((self.seed * 100_003 + self.epoch) * 1_009
+                                          + self.rank + 1)
+        for k, s in enumerate(range(0, len(idx), self.batch_size)):
+            j = idx[s : s + self.batch_size]
+            draws = torch.randint(-room, room + 1, (len(j), 2), generator=g)
+            if k < first: continue
+            offsets = (canvas_offsets(draws, room) if self.shift
+                       else torch.full_like(draws, room // 2))
+            x = place_on_canvas(self.images[j, 0], offsets, self.canvas).float().div_(255)
+            yield x.to(self.device), self.labels[j].to(self.device)

@@ -71,6 +71,7 @@ def kernel_spectrum(weight: Tensor, H: int, W: int) -> Tensor:
     Dw = _dft(H, W, kh, kw, weight.dtype, str(weight.device))
     return torch.mm(Dw, weight.transpose(0, 1).reshape(C * O, kh * kw).t()).view(2, -1, C, O)
 
+# %% ../nbs/94_fourier_conv.ipynb #379d043b
 class _FourierConv2d(torch.autograd.Function):
     "Eqs. (E.2)-(E.8): x [B,C,H,W], w [O,C,kh,kw], bias [O] or None -> y [B,O,Ph,Pw]."
     @staticmethod

@@ -54,6 +54,7 @@ def _check_gmm_inputs(x: Tensor, presence: Optional[Tensor], means: Tensor, scal
                          f"got min {scales.min().item():.3g}, max {scales.max().item():.3g}, "
                          f"scales{first} = {scales[tuple(first)].item():.3g}")
 
+# %% ../nbs/07_gmm.ipynb #de2d9f33
 def _log_normal(x: Tensor, means: Tensor, scales: Tensor) -> Tensor:
     """Eq. (7.1) (scales [B,C]) or Eq. (7.1') (scales [B,C,D]) on checked inputs:
     x [B,M,D], means [B,C,D] → [B,M,C]."""
@@ -75,6 +76,7 @@ def gaussian_log_density(x: Tensor, means: Tensor, scales: Tensor) -> Tensor:
     _check_gmm_inputs(x, None, means, scales, None)
     return _log_normal(x, means, scales)
 
+# %% ../nbs/07_gmm.ipynb #cc94e84a
 def gmm_log_joint(x: Tensor, presence: Tensor, means: Tensor, scales: Tensor, mixing_logits: Tensor,
                   background: Optional[float] = None) -> Tensor:
     """The terms of Eq. (7.2), log π_c + log N(x_m | μ_c, λ_c): [B,M,C]

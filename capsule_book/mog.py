@@ -61,6 +61,7 @@ def parse_mog(raw: Tensor) -> tuple[Tensor, Tensor, Tensor]:
                          f"{raw.shape[-1]}")
     return raw[..., 0].softmax(-1), raw[..., 1:1 + D], F.softplus(raw[..., 1 + D:]) + 1e-6
 
+# %% ../nbs/05b_mog.ipynb #02c729ef
 def mog_nll(raw: Tensor, X: Tensor, mask: Optional[Tensor] = None) -> Tensor:
     """The loss: minus the log-likelihood per point of X [B, n, D] under
     parse_mog(raw), averaged over present points."""
@@ -172,6 +173,7 @@ class MogConfig:
 MOG_RUN_KEYS = ("model", "dim", "n_heads", "n_inducing", "ln", "scale", "k", "batch_size", "lr",
                 "decay_step", "n_min", "n_max", "eval_batches", "seed")
 
+# %% ../nbs/05b_mog.ipynb #b3f077e1
 def mog_task(cfg: MogConfig, device: Union[str, torch.device] = "cpu",
              resume_command: str = "") -> Task:
     """The engine's task for a MoG run: mog_model, Adam, η(s), fresh sets, −Eq.
@@ -207,6 +209,7 @@ def train_mog(cfg: MogConfig, resume_command: str = "") -> RunResult:
                checkpoint_minutes=cfg.checkpoint_minutes, log_every=cfg.log_every,
                eval_every=cfg.eval_every, progress=cfg.progress)
 
+# %% ../nbs/05b_mog.ipynb #fef01049
 def load_mog(path: Union[str, Path],
              device: Union[str, torch.device] = "cpu") -> tuple[nn.Module, dict]:
     """The model of a MoG run's checkpoint (eval mode, on `device`) and the

@@ -13,8 +13,7 @@ from torch import Tensor, nn
 from .utils import check_finite, compiling, some_indices
 
 # %% auto #0
-__all__ = ['attention', 'Multihead', 'attend_few_queries', 'attend_few_keys', 'RFF', 'MAB', 'SAB', 'ISAB', 'PMA',
-           'SetTransformer']
+__all__ = ['attention', 'Multihead', 'RFF', 'MAB', 'SAB', 'ISAB', 'PMA', 'SetTransformer', 'attend_few_queries', 'attend_few_keys']
 
 # %% ../nbs/05_set_transformer.ipynb #c9d30770
 def attention(Q: Tensor, K: Tensor, V: Tensor, mask: Optional[Tensor] = None,
@@ -45,6 +44,7 @@ def _check_set(name: str, t: Tensor, dim: int, values: bool = True) -> None:
         check_finite(name, t, "set",
                      "absent elements too (attention weighs them by 0, and 0·NaN = NaN)")
 
+# %% ../nbs/05_set_transformer.ipynb #8b81f447
 def _check_mask(mask: Optional[Tensor], B: int, m: int) -> Optional[Tensor]:
     """A mask is a bool tensor [B, m], True for present elements, with at
     least one present element per set."""
@@ -144,98 +144,6 @@ class Multihead(nn.Module):
         # concat(O_1..O_h) W^O: [B, n, dim]
         return self.W_O(O.transpose(1, 2).flatten(-2))
 
-# %% ../nbs/05_set_transformer.ipynb #85395d99
-def _softmax_grad(dw: Tensor, w: Tensor) -> Tensor:
-    "Backward of w = softmax(s) over the last axis: ds = w ⊙ (dw − Σ dw ⊙ w)."
-    return torch._softmax_backward_data(dw, w, -1, w.dtype)
-
-class _FewQueries(torch.autograd.Function):
-    """Eq. (5.1)'s attention: P = softmax(G Yᵀ) Y over the keys; G [1|B, r, c] (r = h·n rows g_ij),
-    Y [B, m, c], mask [B, m] → [B, r, c]."""
-    @staticmethod
-    def forward(ctx, G: Tensor, Y: Tensor, mask: Optional[Tensor]) -> Tensor:
-        S = torch.bmm(G.expand(Y.shape[0], -1, -1), Y.transpose(1, 2))        # scores: [B, r, m]
-        if mask is not None:
-            S.masked_fill_(~mask[:, None, :], float("-inf"))
-        w = S.softmax(-1)                                                     # ω: [B, r, m]
-        ctx.save_for_backward(G, Y, w)
-        return torch.bmm(w, Y)
-
-    @staticmethod
-    def backward(ctx, dP: Tensor):
-        G, Y, w = ctx.saved_tensors
-        dS = _softmax_grad(torch.bmm(dP, Y.transpose(1, 2)), w)               # [B, r, m]
-        dG = dY = None
-        if ctx.needs_input_grad[0]:
-            dG = torch.bmm(dS, Y)
-            dG = dG.sum(0, keepdim=True) if G.shape[0] == 1 else dG
-        if ctx.needs_input_grad[1]:
-            # both paths of Y into one tensor: ωᵀ dP + dSᵀ G
-            dY = torch.bmm(w.transpose(1, 2), dP)
-            dY.baddbmm_(dS.transpose(1, 2), G.expand(Y.shape[0], -1, -1))
-        return dG, dY, None
-
-class _FewKeys(torch.autograd.Function):
-    """Eq. (5.2)'s attention: softmax(X Gᵀ + c) U, the softmax over each head's m keys; X [B, n, c],
-    G [B, h·m, c], c [B, h·m], U [B, h·m, d] → [B, n, d]."""
-    @staticmethod
-    def forward(ctx, X: Tensor, G: Tensor, c: Tensor, U: Tensor, m: int) -> Tensor:
-        B, n, r = X.shape[0], X.shape[1], G.shape[1]
-        S = torch.baddbmm(c[:, None, :], X, G.transpose(1, 2))                # scores: [B, n, h·m]
-        w = S.view(B, n, r // m, m).softmax(-1).view(B, n, r)                 # ω, per head
-        ctx.save_for_backward(X, G, U, w); ctx.m = m
-        return torch.bmm(w, U)
-
-    @staticmethod
-    def backward(ctx, dO: Tensor):
-        X, G, U, w = ctx.saved_tensors
-        B, n, r = w.shape; m = ctx.m
-        dw = torch.bmm(dO, U.transpose(1, 2))                                 # [B, n, h·m]
-        dS = _softmax_grad(dw.view(B, n, r // m, m), w.view(B, n, r // m, m)).view(B, n, r)
-        dX = torch.bmm(dS, G) if ctx.needs_input_grad[0] else None
-        dG, dU = torch.bmm(dS.transpose(1, 2), X), torch.bmm(w.transpose(1, 2), dO)
-        return dX, dG, dS.sum(1), dU, None
-
-def _per_head(layer: nn.Linear, h: int) -> tuple[Tensor, Tensor]:
-    "nn.Linear(c → d) as h heads: weight [h, d/h, c], bias [h, d/h]."
-    return layer.weight.unflatten(0, (h, -1)), layer.bias.unflatten(0, (h, -1))
-
-def attend_few_queries(mh: "Multihead", X: Tensor, Y: Tensor, mask: Optional[Tensor] = None,
-                       y_map: Optional[nn.Linear] = None) -> Tensor:
-    """Eq. (5.1): mh(X, Y', Y', mask) with Y' = y_map(Y) (or Y), W^K and W^V moved to the
-    queries; X [B|1, n, dim_q] (n few; 1: the same for every set), Y [B, m, c] → [B, n, dim]."""
-    h, e = mh.h, mh.dim // mh.h
-    n, B = X.shape[1], Y.shape[0]
-    q = mh.W_Q(X).unflatten(-1, (h, e))                                       # [1|B, n, h, e]
-    # [h, e, c]: b^K cancels
-    (W_K, _), (W_V, b_V) = _per_head(mh.W_K, h), _per_head(mh.W_V, h)
-    if y_map is not None:                                                     # Y' = Y W_2ᵀ + b_2
-        b_V = b_V + W_V @ y_map.bias
-        W_K, W_V = W_K @ y_map.weight, W_V @ y_map.weight
-    # g_ij = W^K_j q_iᵀ / √s: [1|B, h·n, c]
-    G = torch.einsum("bihe,hec->bhic", q, W_K).flatten(1, 2) / math.sqrt(mh.score_scale)
-    # Σ_l ω_il y_l: [B, h, n, c]
-    P = _FewQueries.apply(G, Y, mask).unflatten(1, (h, n))
-    O = torch.einsum("bhic,hec->bihe", P, W_V) + b_V                     # heads O_j: [B, n, h, e]
-    mh.n_scores = B * h * n * Y.shape[1]
-    return mh.W_O(O.flatten(2))
-
-def attend_few_keys(mh: "Multihead", X: Tensor, Y: Tensor) -> Tensor:
-    """Eq. (5.2): mh(X, Y, Y), W^Q moved to the keys and W^O to the values; X [B, n, dim_q],
-    Y [B, m, dim_kv] (m few, all present) → [B, n, dim]."""
-    h, e = mh.h, mh.dim // mh.h
-    B, m = Y.shape[:2]
-    K, V = mh.W_K(Y).unflatten(-1, (h, e)), mh.W_V(Y).unflatten(-1, (h, e))  # [B, m, h, e]
-    W_Q, b_Q = _per_head(mh.W_Q, h)                                           # [h, e, dim_q]
-    root_s = math.sqrt(mh.score_scale)
-    G = torch.einsum("blhe,hec->bhlc", K, W_Q).flatten(1, 2) / root_s    # g_jl: [B, h·m, dim_q]
-    c = torch.einsum("blhe,he->bhl", K, b_Q).flatten(1) / root_s              # c_jl: [B, h·m]
-    W_O = mh.W_O.weight.unflatten(1, (h, e))                                  # [dim, h, e]
-    # u_jl: [B, h·m, dim]
-    U = (torch.einsum("blhe,dhe->bhld", V, W_O) + mh.W_O.bias / h).flatten(1, 2)
-    mh.n_scores = B * h * X.shape[1] * m
-    return _FewKeys.apply(X, G, c, U, m)
-
 # %% ../nbs/05_set_transformer.ipynb #5fe42783
 class RFF(nn.Sequential):
     """Row-wise feed-forward: max(0, x W1 + b1) W2 + b2 on every element;
@@ -244,6 +152,7 @@ class RFF(nn.Sequential):
         dim_hidden = dim_hidden or dim_out
         super().__init__(nn.Linear(dim_in, dim_hidden), nn.ReLU(), nn.Linear(dim_hidden, dim_out))
 
+# %% ../nbs/05_set_transformer.ipynb #314cfe21
 class MAB(nn.Module):
     """Eqs. (4)-(5): MAB(X, Y) = LN(H + rFF(H)), H = LN(X + Multihead(X, Y, Y)); X [B, n, dim_q],
     Y [B, m, dim_kv] → [B, n, dim]."""
@@ -385,3 +294,97 @@ class SetTransformer(nn.Module):
         for block in self.encoder:
             Z = block._forward(Z, mask)                                # Encoder: [B, n, dim]
         return self.out(self.sab._forward(self.pma._forward(Z, mask)))   # Eq. (13): [B, k, dim_out]
+
+# %% ../nbs/97_cpu_speed.ipynb #85395d99
+def _softmax_grad(dw: Tensor, w: Tensor) -> Tensor:
+    "Backward of w = softmax(s) over the last axis: ds = w ⊙ (dw − Σ dw ⊙ w)."
+    return torch._softmax_backward_data(dw, w, -1, w.dtype)
+
+class _FewQueries(torch.autograd.Function):
+    """Eq. (5.1)'s attention: P = softmax(G Yᵀ) Y over the keys; G [1|B, r, c] (r = h·n rows g_ij),
+    Y [B, m, c], mask [B, m] → [B, r, c]."""
+    @staticmethod
+    def forward(ctx, G: Tensor, Y: Tensor, mask: Optional[Tensor]) -> Tensor:
+        S = torch.bmm(G.expand(Y.shape[0], -1, -1), Y.transpose(1, 2))        # scores: [B, r, m]
+        if mask is not None:
+            S.masked_fill_(~mask[:, None, :], float("-inf"))
+        w = S.softmax(-1)                                                     # ω: [B, r, m]
+        ctx.save_for_backward(G, Y, w)
+        return torch.bmm(w, Y)
+
+    @staticmethod
+    def backward(ctx, dP: Tensor):
+        G, Y, w = ctx.saved_tensors
+        dS = _softmax_grad(torch.bmm(dP, Y.transpose(1, 2)), w)               # [B, r, m]
+        dG = dY = None
+        if ctx.needs_input_grad[0]:
+            dG = torch.bmm(dS, Y)
+            dG = dG.sum(0, keepdim=True) if G.shape[0] == 1 else dG
+        if ctx.needs_input_grad[1]:
+            # both paths of Y into one tensor: ωᵀ dP + dSᵀ G
+            dY = torch.bmm(w.transpose(1, 2), dP)
+            dY.baddbmm_(dS.transpose(1, 2), G.expand(Y.shape[0], -1, -1))
+        return dG, dY, None
+
+# %% ../nbs/97_cpu_speed.ipynb #dfb831a5
+class _FewKeys(torch.autograd.Function):
+    """Eq. (5.2)'s attention: softmax(X Gᵀ + c) U, the softmax over each head's m keys; X [B, n, c],
+    G [B, h·m, c], c [B, h·m], U [B, h·m, d] → [B, n, d]."""
+    @staticmethod
+    def forward(ctx, X: Tensor, G: Tensor, c: Tensor, U: Tensor, m: int) -> Tensor:
+        B, n, r = X.shape[0], X.shape[1], G.shape[1]
+        S = torch.baddbmm(c[:, None, :], X, G.transpose(1, 2))                # scores: [B, n, h·m]
+        w = S.view(B, n, r // m, m).softmax(-1).view(B, n, r)                 # ω, per head
+        ctx.save_for_backward(X, G, U, w); ctx.m = m
+        return torch.bmm(w, U)
+
+    @staticmethod
+    def backward(ctx, dO: Tensor):
+        X, G, U, w = ctx.saved_tensors
+        B, n, r = w.shape; m = ctx.m
+        dw = torch.bmm(dO, U.transpose(1, 2))                                 # [B, n, h·m]
+        dS = _softmax_grad(dw.view(B, n, r // m, m), w.view(B, n, r // m, m)).view(B, n, r)
+        dX = torch.bmm(dS, G) if ctx.needs_input_grad[0] else None
+        dG, dU = torch.bmm(dS.transpose(1, 2), X), torch.bmm(w.transpose(1, 2), dO)
+        return dX, dG, dS.sum(1), dU, None
+
+def _per_head(layer: nn.Linear, h: int) -> tuple[Tensor, Tensor]:
+    "nn.Linear(c → d) as h heads: weight [h, d/h, c], bias [h, d/h]."
+    return layer.weight.unflatten(0, (h, -1)), layer.bias.unflatten(0, (h, -1))
+
+# %% ../nbs/97_cpu_speed.ipynb #6beee552
+def attend_few_queries(mh: "Multihead", X: Tensor, Y: Tensor, mask: Optional[Tensor] = None,
+                       y_map: Optional[nn.Linear] = None) -> Tensor:
+    """Eq. (5.1): mh(X, Y', Y', mask) with Y' = y_map(Y) (or Y), W^K and W^V moved to the
+    queries; X [B|1, n, dim_q] (n few; 1: the same for every set), Y [B, m, c] → [B, n, dim]."""
+    h, e = mh.h, mh.dim // mh.h
+    n, B = X.shape[1], Y.shape[0]
+    q = mh.W_Q(X).unflatten(-1, (h, e))                                       # [1|B, n, h, e]
+    # [h, e, c]: b^K cancels
+    (W_K, _), (W_V, b_V) = _per_head(mh.W_K, h), _per_head(mh.W_V, h)
+    if y_map is not None:                                                     # Y' = Y W_2ᵀ + b_2
+        b_V = b_V + W_V @ y_map.bias
+        W_K, W_V = W_K @ y_map.weight, W_V @ y_map.weight
+    # g_ij = W^K_j q_iᵀ / √s: [1|B, h·n, c]
+    G = torch.einsum("bihe,hec->bhic", q, W_K).flatten(1, 2) / math.sqrt(mh.score_scale)
+    # Σ_l ω_il y_l: [B, h, n, c]
+    P = _FewQueries.apply(G, Y, mask).unflatten(1, (h, n))
+    O = torch.einsum("bhic,hec->bihe", P, W_V) + b_V                     # heads O_j: [B, n, h, e]
+    mh.n_scores = B * h * n * Y.shape[1]
+    return mh.W_O(O.flatten(2))
+
+def attend_few_keys(mh: "Multihead", X: Tensor, Y: Tensor) -> Tensor:
+    """Eq. (5.2): mh(X, Y, Y), W^Q moved to the keys and W^O to the values; X [B, n, dim_q],
+    Y [B, m, dim_kv] (m few, all present) → [B, n, dim]."""
+    h, e = mh.h, mh.dim // mh.h
+    B, m = Y.shape[:2]
+    K, V = mh.W_K(Y).unflatten(-1, (h, e)), mh.W_V(Y).unflatten(-1, (h, e))  # [B, m, h, e]
+    W_Q, b_Q = _per_head(mh.W_Q, h)                                           # [h, e, dim_q]
+    root_s = math.sqrt(mh.score_scale)
+    G = torch.einsum("blhe,hec->bhlc", K, W_Q).flatten(1, 2) / root_s    # g_jl: [B, h·m, dim_q]
+    c = torch.einsum("blhe,he->bhl", K, b_Q).flatten(1) / root_s              # c_jl: [B, h·m]
+    W_O = mh.W_O.weight.unflatten(1, (h, e))                                  # [dim, h, e]
+    # u_jl: [B, h·m, dim]
+    U = (torch.einsum("blhe,dhe->bhld", V, W_O) + mh.W_O.bias / h).flatten(1, 2)
+    mh.n_scores = B * h * X.shape[1] * m
+    return _FewKeys.apply(X, G, c, U, m)

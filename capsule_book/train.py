@@ -154,6 +154,7 @@ class EpochStream:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.batch, self._it = state["epoch"], state["batch"], None
 
+# %% ../nbs/92_train.ipynb #b91388af
 class SyntheticStream:
     """Fresh batches from `make(generator) -> list of batches` (a chunk), or, with `indexed`,
     `make(generator, n)` for the n-th chunk (from 0); position = generator state before the

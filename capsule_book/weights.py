@@ -149,7 +149,12 @@ def _ccae(config: dict) -> nn.Module:
     from capsule_book.ccae import CCAE
     return CCAE(**config["model"])
 
-BUILDERS: dict[str, Callable[[dict], nn.Module]] = {"capsnet": _capsnet, "mog": _mog, "ccae": _ccae}
+def _scae(config: dict) -> nn.Module:
+    from capsule_book.scae import SCAE
+    return SCAE(config["model"])
+
+BUILDERS: dict[str, Callable[[dict], nn.Module]] = {"capsnet": _capsnet, "mog": _mog, "ccae": _ccae,
+                                                    "scae": _scae}
 
 def load(name: str, device: Union[str, torch.device] = "cpu",
          folder: Optional[Union[str, os.PathLike]] = None, download: bool = True) -> nn.Module:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Draw the book's seven diagrams as SVG into nbs/images/.
+"""Draw the book's diagrams as SVG into nbs/images/.
 
     python tools/diagrams.py            # writes nbs/images/{capsnet,routing,set_transformer,ccae,
-                                        #   squash,constellations,gmm}.svg
+                                        #   squash,constellations,gmm,scae}.svg
     python tools/diagrams.py --png /tmp # also writes PNG previews there
     python tools/diagrams.py --only gmm # only the figures named
 
@@ -818,6 +818,56 @@ def gmm() -> Canvas:
     return c
 
 
+# ----------------------------------------------------------------------------------------------- 8. SCAE
+def scae() -> Canvas:
+    "The image Stacked Capsule Autoencoder (Chapters 10-11): the PCAE on the left, the OCAE on the right."
+    W, H = 9.8, 6.8
+    c = Canvas(W, H)
+    lx, rx, bw, bh = 2.35, 7.45, 4.1, 0.56
+    ys = [6.15 - 0.9 * k for k in range(7)]
+    c.text(lx, 6.6, "Part Capsule Autoencoder (Chapter 10)", size=9.5, weight="bold")
+    c.text(rx, 6.6, "Object Capsule Autoencoder (Chapter 11)", size=9.5, weight="bold")
+    img = c.box(lx, ys[0], bw, bh, "image $y$", "a digit on a 40×40 canvas", "data")
+    cnn = c.box(lx, ys[1], bw, bh, "CNN, 4 layers of 128 3×3 filters",
+                "strides 2, 2, 1, 1: a 5×5 map, + a bias per position", "conv")
+    att = c.box(lx, ys[2], bw, bh, "attention pooling per part (Eq. 10.1)",
+                "a softmax over the 25 positions for each of $N$ = 40", "attn")
+    prt = c.box(lx, ys[3], bw, bh, "$N$ part capsules",
+                r"pose $x_n$ (affine), presence $\delta_n$, features $z_n$", "caps")
+    tpl = c.box(lx, ys[4], bw, bh, "templates $T_n$ placed by $x_n$ (Eq. 10.4)",
+                r"11×11, alpha logits, brightness $\gamma_n$ from $z_n$", "dec")
+    mix = c.box(lx, ys[5], bw, bh, "a mixture at every pixel (Eq. 10.5)",
+                r"weights $\propto \delta_n e^{\hat{A}_{n,i}}$, + a background", "mix")
+    ll = c.box(lx, ys[6], bw, bh, r"$\log p(y)$ (maximised)", "summed over the 1,600 pixels", "loss")
+    chain = [img, cnn, att, prt, tpl, mix, ll]
+    labels = ["[B,1,40,40]", "[B,128,5,5]", "[B,N,6+16+1]", "", "[B,N+1,40,40]", ""]
+    for a, b, s in zip(chain, chain[1:], labels):
+        c.arrow(a.bottom(), b.top())
+        if s:
+            c.shape(lx + 0.1, (a.b + b.t) / 2, s)
+    st = c.box(rx, ys[2], bw, bh, "the parts as a set",
+               r"$[x_n,\ 1-\delta_n,\ z_n,\ \gamma_n T_n]$: gradient stopped but for $z_n$", "data")
+    enc = c.box(rx, ys[3], bw, bh, "Set Transformer (Eq. 11.1)",
+                "3 blocks with presences, then $K$ = 32 learned queries", "attn")
+    obj = c.box(rx, ys[4], bw, bh, "$K$ object capsules, their votes",
+                r"$v_{kn} = OV_k\,OP_{kn}$, scale $\lambda_{kn}$, weight $a_k a_{kn}$", "caps")
+    pll = c.box(rx, ys[5], bw, bh, r"$\log p(x_{1:N})$ (Eq. 11.2), sparsity",
+                "each part's pose under its $K$ votes, weighted by $d_n$", "loss")
+    use = c.box(rx, ys[6], bw, bh, r"presences $\hat{a}_k = a_k \max_n a_{kn}$",
+                "K-means on them: the digit, unsupervised", "plain")
+    for a, b in zip([st, enc, obj, pll], [enc, obj, pll, use]):
+        c.arrow(a.bottom(), b.top())
+    c.shape(rx + 0.1, (st.b + enc.t) / 2, "[B,N,144]")
+    c.shape(rx + 0.1, (enc.b + obj.t) / 2, "[B,K,256]")
+    # parts -> set; part poses are the OCAE's targets
+    gx = lx + bw / 2 + 0.25
+    c.arrow(prt.right(0.1), (gx, prt.cy + 0.1), (gx, st.cy), st.left())
+    c.arrow(prt.right(-0.1), (gx + 0.3, prt.cy - 0.1), (gx + 0.3, pll.cy), pll.left(), ls="--")
+    c.text(gx + 0.42, (prt.cy + obj.cy) / 2 - 0.35, "targets", size=7.5, rotation=90, ha="left",
+           color="#555555")
+    return c
+
+
 FALLBACK = {                         # what a browser without DejaVu uses instead (Verdana has its metrics)
     "'DejaVu Sans Mono'": "'DejaVu Sans Mono', Menlo, Consolas, monospace",
     "'DejaVu Sans Display'": "'DejaVu Sans Display', 'DejaVu Sans', Verdana, sans-serif",
@@ -886,6 +936,7 @@ FIGURES: dict[str, Callable[[], Canvas]] = {
     "squash": squash,
     "constellations": constellations,
     "gmm": gmm,
+    "scae": scae,
 }
 
 

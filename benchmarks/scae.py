@@ -1,0 +1,123 @@
+"""Benchmark of Chapters 10-12: the image Stacked Capsule Autoencoder's training step, against a direct transcription.
+
+    python benchmarks/scae.py --speed                       # batch 128 (official), against commit f0b714c
+    python benchmarks/scae.py --speed --batch-size 32 --rounds 5
+
+The reference is the book's first version of the model (commit f0b714c, a temporary `git worktree`): a direct
+transcription of the official TensorFlow model (`F.affine_grid` for the placement, Eq. (10.5) through autograd as
+written, every output of the forward pass built in training too). --speed times one training step (forward, loss,
+backward, RMSProp on the flat parameters) of the official configuration in both trees, in rotating rounds of fresh
+processes with the same thread count, and prints the median milliseconds per step of each and their ratio; it also
+checks that both compute the same loss (evaluation mode, no noise) on the same batch from the same initial weights.
+The time of a step is the process's CPU time (one thread): on a machine whose other core is busy, wall-clock time
+measures the neighbours as much as the step; the wall-clock medians are reported beside it. Writes the result to
+--out (JSON).
+
+Training itself runs through the engine: `capsule-book train scae ...` (Chapter 11).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from capsule_book.utils import cpu_name
+
+# one timing round, run in a fresh process with PYTHONPATH set to the tree under test
+SPEED_WORKER = r"""
+import json, sys, time, torch
+from capsule_book import scae
+from capsule_book.data import CanvasBatches, load_mnist
+steps, warmup, batch = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+torch.set_flush_denormal(True)
+torch.manual_seed(0)
+model = scae.SCAE(seed=0)
+x, y = load_mnist(True, sample=True)
+images = next(iter(CanvasBatches(x, y, batch_size=batch, shuffle=True, seed=0)))[0]
+model.eval()
+with torch.no_grad():
+    loss0 = model(images).loss.item()          # the function check (no noise)
+model.train()
+opt = scae.scae_task(model, batch_size=batch, sample=True, eval_n=10).optimizer
+def step():
+    out = model(images)
+    opt.zero_grad(set_to_none=True)
+    out.loss.backward()
+    opt.step()
+for _ in range(warmup): step()
+cpu, wall = [], []
+for _ in range(steps):
+    c0, t0 = time.process_time(), time.perf_counter()
+    step()
+    cpu.append(time.process_time() - c0); wall.append(time.perf_counter() - t0)
+cpu.sort(); wall.sort()
+print(json.dumps({"ms": 1000 * cpu[len(cpu) // 2], "wall_ms": 1000 * wall[len(wall) // 2], "loss": loss0}))
+"""
+
+
+def round_of(tree: Path, steps: int, warmup: int, batch: int, threads: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(threads)}
+    out = subprocess.run([sys.executable, "-c", SPEED_WORKER, str(steps), str(warmup), str(batch)],
+                         env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def speed(reference: str, rounds: int, steps: int, warmup: int, batch: int, threads: int) -> dict:
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        ref_tree = Path(tmp) / "reference"
+        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(ref_tree), reference],
+                       check=True, capture_output=True)
+        try:
+            trees = {"reference": ref_tree, "book": root}
+            runs = {name: [] for name in trees}
+            for r in range(rounds):
+                order = list(trees) if r % 2 == 0 else list(trees)[::-1]
+                for name in order:
+                    runs[name].append(round_of(trees[name], steps, warmup, batch, threads))
+                print(f"round {r + 1}: " + ", ".join(f"{n} {runs[n][-1]['ms']:.0f} ms" for n in trees),
+                      file=sys.stderr)
+        finally:
+            subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(ref_tree)],
+                           check=False, capture_output=True)
+    ms = {n: statistics.median(x["ms"] for x in v) for n, v in runs.items()}
+    losses = {n: v[0]["loss"] for n, v in runs.items()}
+    return {"reference": reference, "batch_size": batch, "threads": threads, "rounds": rounds,
+            "steps_per_round": steps, "cpu": cpu_name(),
+            "ms_per_step": {n: round(v, 1) for n, v in ms.items()},
+            "wall_ms_per_step": {n: round(statistics.median(x["wall_ms"] for x in v), 1)
+                                 for n, v in runs.items()},
+            "speedup": round(ms["reference"] / ms["book"], 3),
+            "speedup_per_round": [round(a["ms"] / b["ms"], 3)
+                                  for a, b in zip(runs["reference"], runs["book"])],
+            "loss": losses, "same_loss": abs(losses["reference"] - losses["book"])
+            <= 1e-4 * abs(losses["reference"])}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--speed", action="store_true", help="time the training step against --reference")
+    p.add_argument("--reference", default="f0b714c", help="the commit to time against (default f0b714c)")
+    p.add_argument("--batch-size", type=int, default=128, help="official 128")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round (median taken)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=None, help="write the JSON here too")
+    args = p.parse_args(argv)
+    if not args.speed:
+        p.error("nothing to do: pass --speed (training runs through `capsule-book train scae`)")
+    report = speed(args.reference, args.rounds, args.steps, args.warmup, args.batch_size, args.threads)
+    print(json.dumps(report, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

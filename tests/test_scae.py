@@ -1,0 +1,252 @@
+"""The image Stacked Capsule Autoencoder (Chapters 10-11): canvas data, templates, the image and part
+likelihoods, the set encoder's presence masks, gradients, evaluation, the engine and the command line.
+Tiny models on the shipped MNIST sample; nothing is downloaded."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from capsule_book.data import CanvasBatches, canvas_offsets, load_mnist, place_on_canvas
+from capsule_book.gmm import gmm_log_likelihood
+from capsule_book.pcae import image_log_likelihood, official_template_init, transform_templates
+from capsule_book.ccae import geometric_transform
+from capsule_book.scae import (SCAE, SCAEConfig, kmeans_accuracy, load_scae, part_pose_likelihood,
+                               presence_attention, train_scae)
+from capsule_book.set_transformer import Multihead, attention
+
+SMALL = dict(n_parts=5, n_objects=4, n_object_params=8, n_hidden=16, set_out=16, set_dim=8)
+
+
+def test_canvas_offsets_follow_the_official_pad_and_shift():
+    room = 12
+    # every draw s in [-12, 12] once: offset 0 once, every other offset twice (Eq. B.1)
+    off = canvas_offsets(torch.arange(-room, room + 1), room)
+    assert torch.bincount(off).tolist() == [1] + [2] * room
+    # by hand: s = -5 pads 5 rows above, then ceil(7/2) = 4 of the 7 left; s = 3: ceil(9/2) = 5
+    assert canvas_offsets(torch.tensor([-5, 3, 0, 12, -12]), room).tolist() == [9, 5, 6, 0, 12]
+    with pytest.raises(ValueError, match=r"\[-12, 12\]"):
+        canvas_offsets(torch.tensor([13]), room)
+
+
+def test_digits_stay_whole_on_the_canvas_and_batches_resume():
+    x, y = load_mnist(False, sample=True)
+    b = CanvasBatches(x[:40], y[:40], batch_size=16, shuffle=True, seed=4)
+    batches = list(b)
+    assert all(imgs.shape[1:] == (1, 40, 40) for imgs, _ in batches)
+    imgs, labels = batches[0]
+    order = b.indices()[:16]
+    assert torch.equal(labels, y[order])
+    # all the ink is on the canvas, none added
+    assert torch.allclose(imgs.sum((1, 2, 3)), x[order].float().sum((1, 2)) / 255)
+    # the same batches again from batch 1 (offsets of skipped batches still drawn)
+    assert all(torch.equal(a[0], c[0]) for a, c in zip(batches[1:], b.iter_from(1)))
+    with pytest.raises(ValueError, match="inside the 40x40 canvas"):
+        place_on_canvas(x[:1], torch.tensor([[13, 0]]))
+
+
+def test_template_lands_where_its_pose_puts_it():
+    one = torch.zeros(1, 1, 11, 11)
+    one[0, 0, 7, 3] = 1.0
+    torch.manual_seed(0)
+    for _ in range(5):
+        pose = geometric_transform(torch.randn(1, 1, 6) * 0.5, similarity=False)
+        placed = transform_templates(one, pose, 40)[0, 0, 0]
+        u = torch.tensor([-1 + 2 * 3 / 10, -1 + 2 * 7 / 10])
+        col, row = ((pose[0, 0, :2, :2] @ u + pose[0, 0, :2, 2] + 1) / 2 * 39).tolist()
+        if not (1 < row < 38 and 1 < col < 38):
+            continue
+        rr, cc = torch.meshgrid(torch.arange(40.), torch.arange(40.), indexing="ij")
+        centre = ((placed * rr).sum() / placed.sum()).item(), ((placed * cc).sum() / placed.sum()).item()
+        assert abs(centre[0] - row) < 0.15 and abs(centre[1] - col) < 0.15
+    corners = transform_templates(torch.arange(121.).view(1, 1, 11, 11), torch.eye(3)[None, None], 40)
+    assert corners[0, 0, 0, 0, 0] == 0 and corners[0, 0, 0, 0, -1] == 10 and corners[0, 0, 0, -1, 0] == 110
+
+
+def test_template_init_is_the_official_rescaled_orthogonal_rows():
+    t = official_template_init(40, 11, torch.Generator().manual_seed(1))
+    assert t.shape == (40, 1, 11, 11) and t.min() == 0 and t.max() == 1
+    rows = t.view(40, -1).double()
+    # an affine image of orthonormal rows: centred rows keep distinct directions (full rank)
+    assert torch.linalg.matrix_rank(rows - rows.mean(1, keepdim=True)) >= 39
+
+
+def test_fast_pixel_mixture_is_eq_10_5_with_its_gradient():
+    from capsule_book.pcae import pixel_mixture_log_likelihood
+    torch.manual_seed(8)
+    y = torch.rand(2, 1, 4, 4, dtype=torch.float64)
+    args = (torch.rand(2, 3, 4, 4, dtype=torch.float64, requires_grad=True),
+            torch.randn(2, 3, 4, 4, dtype=torch.float64, requires_grad=True),
+            torch.rand(1, dtype=torch.float64, requires_grad=True),
+            torch.randn(1, dtype=torch.float64, requires_grad=True))
+    full = lambda t, b: torch.cat([t, b.expand(2, 1, 4, 4)], 1)
+    torch.testing.assert_close(pixel_mixture_log_likelihood(y, *args, sigma=0.5),
+                               image_log_likelihood(y, full(args[0], args[2]), full(args[1], args[3]), 0.5))
+    assert torch.autograd.gradcheck(lambda *t: pixel_mixture_log_likelihood(y, *t, sigma=0.5), args)
+
+
+def test_canvas_grid_is_affine_grid():
+    import torch.nn.functional as F
+    from capsule_book.pcae import affine_inverse, canvas_grid
+    poses = geometric_transform(torch.randn(3, 7, 6), similarity=False)
+    ref = F.affine_grid(affine_inverse(poses).view(21, 2, 3), [21, 1, 40, 40], align_corners=True)
+    torch.testing.assert_close(canvas_grid(poses, 40).view(21, 40, 40, 2), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_image_likelihood_is_the_literal_mixture_and_integrates_to_one():
+    torch.manual_seed(3)
+    means = torch.rand(2, 4, 3, 3, dtype=torch.float64)
+    logits = torch.randn(2, 4, 3, 3, dtype=torch.float64)
+    y = torch.rand(2, 1, 3, 3, dtype=torch.float64)
+    pi = logits.softmax(1)
+    literal = torch.log((pi * torch.exp(-(y - means) ** 2 / 2) / math.sqrt(2 * math.pi)).sum(1)).sum((1, 2))
+    assert torch.allclose(image_log_likelihood(y, means, logits), literal)
+    ys = torch.linspace(-12, 13, 2001, dtype=torch.float64)
+    dens = torch.stack([image_log_likelihood(v.view(1, 1, 1, 1), means[:1, :, :1, :1],
+                                             logits[:1, :, :1, :1]).exp()[0] for v in ys])
+    assert abs(torch.trapezoid(dens, ys).item() - 1) < 1e-7
+    with pytest.raises(ValueError, match="expected image"):
+        image_log_likelihood(y, means[:, :, :2], logits)
+
+
+def test_presence_masks():
+    torch.manual_seed(0)
+    mh = Multihead(6, 6, 6, 2)
+    X = torch.randn(3, 4, 6)
+    Qh, Kh, Vh = mh.heads(X, X, X)
+    d01 = torch.tensor([[1., 1, 0, 1], [0, 1, 0, 0], [1, 1, 1, 1]])
+    boolean = mh.W_O(attention(Qh, Kh, Vh, d01.bool()[:, None]).transpose(1, 2).flatten(-2))
+    for kind in ("official", "log"):
+        torch.testing.assert_close(presence_attention(mh, X, X, d01, kind), boolean, atol=1e-5, rtol=1e-5)
+    # fractional presences: official = the most present key alone; log = weights ∝ d e^s
+    d = torch.tensor([[0.2, 0.95, 0.5, 0.9]]).expand(3, 4)
+    hard = mh.W_O(Vh[:, :, 1:2].expand(-1, -1, 4, -1).transpose(1, 2).flatten(-2))
+    torch.testing.assert_close(presence_attention(mh, X, X, d, "official"), hard, atol=1e-5, rtol=1e-5)
+    s = Qh @ Kh.mT / math.sqrt(3)
+    w = s.exp() * d[:, None, None]
+    soft = mh.W_O(((w / w.sum(-1, keepdim=True)) @ Vh).transpose(1, 2).flatten(-2))
+    torch.testing.assert_close(presence_attention(mh, X, X, d, "log"), soft, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="presence_mask"):
+        presence_attention(mh, X, X, d, "hard")
+
+
+def test_part_likelihood_is_chapter_7_plus_log_normaliser():
+    torch.manual_seed(5)
+    B, K, N = 3, 4, 6
+    f = dict(dtype=torch.float64)
+    x, votes = torch.randn(B, N, 6, **f), torch.randn(B, K, N, 6, **f)
+    scales, a, d = 0.4 + torch.rand(B, K, N, **f), torch.rand(B, K, N, **f), torch.rand(B, N, **f)
+    ll, post = part_pose_likelihood(x, d, votes, scales, a.log())
+    flat = lambda t: t.transpose(1, 2).reshape(B * N, K, *t.shape[3:])
+    ch7 = gmm_log_likelihood(x.reshape(B * N, 1, 6), torch.ones(B * N, 1, dtype=torch.bool), flat(votes),
+                             flat(scales), flat(a.log()), background=0.01).view(B, N)
+    torch.testing.assert_close(ll, (d * (ch7 + (a.sum(1) + 0.01).log())).sum(-1))
+    assert (post.sum(-1) < 1).all() and (post >= 0).all()
+    with pytest.raises(ValueError, match="expected x"):
+        part_pose_likelihood(x[:, :3], d, votes, scales, a.log())
+
+
+def test_gradients_stop_where_the_official_code_stops_them():
+    torch.manual_seed(0)
+    model = SCAE(SCAEConfig(**SMALL))
+    x, _ = load_mnist(True, sample=True)
+    images = next(iter(CanvasBatches(x[:8], torch.zeros(8, dtype=torch.long), batch_size=8)))[0]
+    with torch.no_grad():
+        shown = model.eval()(images)
+    assert shown.reconstruction.shape == (8, 1, 40, 40) and shown.means.shape == (8, 6, 40, 40)
+    # the reconstruction is the ink of each pixel's most probable component
+    best = shown.mixing_logits.argmax(1, keepdim=True)
+    assert torch.equal(shown.reconstruction, shown.means.gather(1, best))
+    out = model.train()(images)
+    assert out.object_presence.shape == (8, 4) and out.reconstruction is None
+
+    def touched(loss):
+        model.zero_grad()
+        loss.backward(retain_graph=True)
+        return {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+
+    part, image = touched(out.losses["part_nll"]), touched(out.losses["image_nll"])
+    assert "part_encoder.head.weight" in part and "part_encoder.cnn.0.weight" in part   # via z_n
+    assert not {"decoder.template_logits", "decoder.alpha_logits", "decoder.colour.0.weight"} & part
+    assert not {n for n in image if n.split(".")[0] in ("encoder", "h_caps", "h_part", "op_static", "bias")}
+    assert {"decoder.template_logits", "decoder.alpha_logits", "part_encoder.bias"} <= image
+    # every term of Eq. (11.3) with its official weight
+    cfg = model.config
+    total = (out.losses["image_nll"] + out.losses["part_nll"]
+             + sum(getattr(cfg, k) * out.losses[k] for k in ("dynamic_l2", "prior_within", "prior_between",
+                                                             "posterior_within", "posterior_between")))
+    torch.testing.assert_close(out.loss, total)
+
+
+def test_noise_only_in_training_and_bad_inputs_refused():
+    torch.manual_seed(0)
+    model = SCAE(SCAEConfig(**SMALL)).eval()
+    images = torch.rand(2, 1, 40, 40)
+    a, b = model(images), model(images)
+    assert torch.equal(a.object_presence, b.object_presence)
+    model.train()
+    assert not torch.equal(model(images).part_presence, model(images).part_presence)
+    with pytest.raises(ValueError, match=r"expected images \[B, 1, 40, 40\]"):
+        model(torch.rand(2, 1, 28, 28))
+    with pytest.raises(ValueError, match="presence_mask"):
+        SCAEConfig(presence_mask="soft")
+    with pytest.raises(ValueError, match="prior_between must be a finite number"):
+        SCAEConfig(prior_between=float("nan"))
+
+
+def test_kmeans_accuracy_on_known_clusters():
+    rng = np.random.default_rng(1)
+    centres = rng.normal(size=(10, 8)) * 4
+    y_tr, y_te = rng.integers(0, 10, 600), rng.integers(0, 10, 300)
+    perm = rng.permutation(10)
+    acc = kmeans_accuracy(centres[y_tr] + rng.normal(size=(600, 8)) * 0.05, perm[y_tr],
+                          centres[y_te] + rng.normal(size=(300, 8)) * 0.05, perm[y_te], n_init=3)
+    assert acc == {"train": 1.0, "test": 1.0, "test_refit": 1.0}
+    # two classes merged into one blob: at most 9 of 10 classes right
+    merged = np.where(y_te == 3, 4, y_te)
+    worse = kmeans_accuracy(centres[y_tr] + rng.normal(size=(600, 8)) * 0.05, y_tr,
+                            centres[merged] + rng.normal(size=(300, 8)) * 0.05, y_te, n_init=3)
+    assert worse["test"] == pytest.approx(1 - (y_te == 3).mean())
+
+
+def test_training_resumes_exactly(tmp_path):
+    def run(steps, resume=False):
+        torch.manual_seed(0)
+        model = SCAE(SCAEConfig(**SMALL))
+        return train_scae(model, steps, out=tmp_path / "run", resume=resume, batch_size=4, sample=True,
+                          progress=False, log_every=1, checkpoint_every=1, eval_every=0, eval_n=40)
+    torch.manual_seed(0)
+    straight = train_scae(SCAE(SCAEConfig(**SMALL)), 4, batch_size=4, sample=True, progress=False,
+                          log_every=1, eval_n=40)
+    run(2)
+    resumed = run(4, resume=True)
+    for (n, p), q in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
+    assert [r["loss"] for r in straight.history] == [r["loss"] for r in resumed.history]
+    model, ck = load_scae(tmp_path / "run" / "last.pt")
+    assert ck["step"] == 4 and not model.training
+
+
+def test_command_line_and_shipped_weights(tmp_path, capsys):
+    from capsule_book import cli, weights
+    out = tmp_path / "run"
+    small = ["--sample", "--batch-size", "4", "--eval-n", "40", "--n-parts", "5", "--n-objects", "4",
+             "--device", "cpu", "--no-progress"]
+    assert cli.main(["train", "scae", "--steps", "2", "--out", str(out), *small]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["step"] == 2 and 0 <= row["eval_prior_test"] <= 1
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "scae", "--steps", "2", "--average", "1.5", "--out", str(tmp_path / "x"), *small])
+    assert e.value.code == 2 and "--average must lie in [0, 1)" in capsys.readouterr().err
+    assert cli.main(["eval", "scae", "--checkpoint", str(out / "last.pt"), "--sample", "--n-train", "300",
+                     "--n-test", "200", "--device", "cpu"]) == 0
+    scores = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert scores["n_train"] == 300 and 0 <= scores["centred_prior_test"] <= 1
+    weights.ship(out / "last.pt", "tiny-scae", "capsule-book train scae ...", {"test_accuracy": 0.1},
+                 dtype="float16", folder=tmp_path / "w")
+    model = weights.load("tiny-scae", folder=tmp_path / "w")
+    with torch.no_grad():
+        o = model(torch.rand(3, 1, 40, 40))
+    assert not model.training and o.object_presence.shape == (3, 4)
+    assert ((0 <= o.object_presence) & (o.object_presence <= 1)).all()

@@ -10,7 +10,8 @@ from typing import Optional, Union
 # %% auto #0
 __all__ = ['DATA_ENV', 'DEFAULT_DATA_ROOT', 'IDX_TYPES', 'MNIST_SAMPLE_SIZE', 'MNIST_FILES', 'data_root', 'read_idx',
            'mnist_sample_folder', 'mnist_raw_folder', 'load_mnist', 'random_shift', 'MNISTBatches', 'canvas_offsets',
-           'place_on_canvas', 'CanvasBatches']
+           'place_on_canvas', 'CanvasBatches', 'AffineRanges', 'affine_matrix', 'warp', 'ink_box', 'AffineSet',
+           'affine_draws', 'affine_test_set']
 
 # %% ../nbs/91_data.ipynb #d23931b1
 DATA_ENV = "CAPSULE_BOOK_DATA"
@@ -208,14 +209,15 @@ def place_on_canvas(images: Tensor, offsets: Tensor, canvas: int = 40) -> Tensor
 
 class CanvasBatches(MNISTBatches):
     """`MNISTBatches` with every digit on a canvas x canvas black image, at the official random
-    offset (Eq. B.1) or centred (`shift=False`): images [B, 1, canvas, canvas] in [0, 1], labels."""
+    offset (Eq. B.1), at an offset drawn uniformly from 0..room (`uniform=True`, the expanded MNIST)
+    or centred (`shift=False`): images [B, 1, canvas, canvas] in [0, 1], labels."""
     def __init__(self, images: Tensor, labels: Tensor, batch_size: int = 128, canvas: int = 40,
-                 shift: bool = True, **kwargs):
+                 shift: bool = True, uniform: bool = False, **kwargs):
         super().__init__(images, labels, batch_size, **kwargs)
         if canvas < self.images.shape[-1]:
             raise ValueError(f"canvas ({canvas}) must be at least the digits' size "
                              f"({self.images.shape[-1]})")
-        self.canvas, self.shift = canvas, shift
+        self.canvas, self.shift, self.uniform = canvas, shift, uniform
 
     def iter_from(self, first: int = 0):
         "The epoch's batches from batch `first` on (skipped batches still draw their offsets)."
@@ -224,9 +226,98 @@ class CanvasBatches(MNISTBatches):
                                           + self.rank + 1)
         for k, s in enumerate(range(0, len(idx), self.batch_size)):
             j = idx[s : s + self.batch_size]
-            draws = torch.randint(-room, room + 1, (len(j), 2), generator=g)
+            draws = torch.randint(0 if self.uniform else -room, room + 1, (len(j), 2), generator=g)
             if k < first: continue
-            offsets = (canvas_offsets(draws, room) if self.shift
-                       else torch.full_like(draws, room // 2))
+            offsets = (torch.full_like(draws, room // 2) if not self.shift
+                       else draws if self.uniform else canvas_offsets(draws, room))
             x = place_on_canvas(self.images[j, 0], offsets, self.canvas).float().div_(255)
             yield x.to(self.device), self.labels[j].to(self.device)
+
+# %% ../nbs/91_data.ipynb #bb41f505
+from dataclasses import dataclass
+from typing import NamedTuple
+
+@dataclass(frozen=True)
+class AffineRanges:
+    "affNIST's ranges: each parameter of Eq. (B.2) drawn uniformly and independently."
+    rotation: float = 20.0                 # θ ∈ [-20°, 20°], in degrees
+    shear: float = 0.2                     # τ ∈ [-0.2, 0.2]
+    scale: tuple[float, float] = (0.8, 1.2)  # s_x, s_y ∈ [0.8, 1.2]
+
+def affine_matrix(theta: Tensor, shear: Tensor, sx: Tensor, sy: Tensor) -> Tensor:
+    "A of Eq. (B.2) for angles θ in degrees, shears τ and scales (any equal shapes): [..., 2, 2]."
+    t = torch.deg2rad(theta)
+    c, s, one, zero = torch.cos(t), torch.sin(t), torch.ones_like(t), torch.zeros_like(t)
+    R = torch.stack([torch.stack([c, -s], -1), torch.stack([s, c], -1)], -2)
+    H = torch.stack([torch.stack([one, shear], -1), torch.stack([zero, one], -1)], -2)
+    return R @ H @ torch.diag_embed(torch.stack([sx, sy], -1))
+
+# %% ../nbs/91_data.ipynb #080c933f
+def warp(images: Tensor, A: Tensor, t: Tensor) -> Tensor:
+    """Images [B, 1, H, W] under g -> A (g - g0) + g0 + t about the image centre g0 (Eq. B.2;
+    A [B, 2, 2], t [B, 2] in pixels, (x, y)): bilinear, black outside."""
+    if images.dim() != 4 or A.shape != (len(images), 2, 2) or t.shape != (len(images), 2):
+        raise ValueError(f"expected images [B, 1, H, W], A [B, 2, 2] and t [B, 2], got "
+                         f"{list(images.shape)}, {list(A.shape)} and {list(t.shape)}")
+    H, W = images.shape[-2:]
+    D = torch.tensor([W / 2, H / 2], dtype=A.dtype)
+    M = torch.linalg.inv(A) * D[None, None, :] / D[None, :, None]     # D^-1 A^-1 D, [B, 2, 2]
+    b = -(M @ (t / D)[..., None])                                      # [B, 2, 1]
+    grid = F.affine_grid(torch.cat([M, b], -1).to(images.dtype), list(images.shape),
+                         align_corners=False)
+    return F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+
+def ink_box(images: Tensor) -> Tensor:
+    "The first and last columns and rows holding ink of images [B, 1, H, W]: [B, 4] (x0, x1, y0, y1)."
+    ink = images[:, 0] > 0
+    def ends(m: Tensor) -> tuple[Tensor, Tensor]:                       # m [B, n]: any ink there
+        i = torch.arange(m.shape[1]).expand_as(m)
+        return torch.where(m, i, m.shape[1]).amin(1), torch.where(m, i, -1).amax(1)
+    (x0, x1), (y0, y1) = ends(ink.any(1)), ends(ink.any(2))
+    return torch.stack([x0, x1, y0, y1], 1)
+
+# %% ../nbs/91_data.ipynb #5cae5dfd
+class AffineSet(NamedTuple):
+    "Digits under Eq. (B.2) with the parameters each was drawn with."
+    images: Tensor        # [N, 1, canvas, canvas] float in [0, 1]
+    labels: Tensor        # [N], the digits' own labels
+    rotation: Tensor      # θ [N], degrees
+    shear: Tensor         # τ [N]
+    scale: Tensor         # (s_x, s_y) [N, 2]
+    shift: Tensor         # t [N, 2], whole pixels (x, y)
+
+def affine_draws(n: int, generator: torch.Generator, ranges: AffineRanges = AffineRanges()
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """θ [n] (degrees), τ [n] and (s_x, s_y) [n, 2], uniform in `ranges`, and where in its room
+    each digit goes (uniform in [0, 1), [n, 2]); six draws a digit, so digit i's are the same
+    whatever n (float64)."""
+    u = torch.rand(n, 6, generator=generator, dtype=torch.float64)
+    lo, hi = ranges.scale
+    return ((2 * u[:, 0] - 1) * ranges.rotation, (2 * u[:, 1] - 1) * ranges.shear,
+            lo + u[:, 2:4] * (hi - lo), u[:, 4:])
+
+# %% ../nbs/91_data.ipynb #7c0f92b7
+def affine_test_set(images: Tensor, labels: Tensor, seed: int = 0, canvas: int = 40,
+                    ranges: AffineRanges = AffineRanges(), chunk: int = 1000) -> AffineSet:
+    """affNIST-style digits from MNIST digits [N, 28, 28] (uint8, or floats in [0, 1]): centred
+    on the canvas, moved by Eq. (B.2) with draws from `ranges` and a whole-pixel shift that keeps
+    all their ink on the canvas."""
+    if images.dim() == 4: images = images[:, 0]
+    if images.dim() != 3 or len(labels) != len(images):
+        raise ValueError(f"expected digits [N, h, w] and labels [N], got {list(images.shape)} "
+                         f"and {list(labels.shape)}")
+    g = torch.Generator().manual_seed(seed)
+    theta, tau, scale, where = affine_draws(len(images), g, ranges)
+    A = affine_matrix(theta, tau, scale[:, 0], scale[:, 1])
+    x = images.float() / 255 if not images.dtype.is_floating_point else images.float()
+    lo = (canvas - x.shape[-1]) // 2
+    x = F.pad(x[:, None], (lo, canvas - x.shape[-1] - lo) * 2)          # centred, [N, 1, C, C]
+    out, shifts = [], []
+    for s in range(0, len(x), chunk):
+        x_c, A_c = x[s : s + chunk], A[s : s + chunk]
+        box = ink_box(warp(x_c, A_c, A_c.new_zeros(len(x_c), 2)))
+        low, high = -box[:, [0, 2]], canvas - 1 - box[:, [1, 3]]         # shifts that keep it on
+        t = low + (where[s : s + chunk] * (high - low + 1)).long().clamp(max=high - low)
+        out.append(warp(x_c, A_c, t.double()).clamp_(0, 1))
+        shifts.append(t)
+    return AffineSet(torch.cat(out), labels.clone(), theta, tau, scale, torch.cat(shifts))

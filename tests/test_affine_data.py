@@ -1,0 +1,100 @@
+"""The expanded MNIST (digits at uniform offsets on a 40x40 canvas) and the affNIST-style test set of Appendix B
+(Eq. B.2): the transformations' ranges hold on 10,000 draws, every digit keeps its label and all its ink, the
+recorded parameters are the ones applied, and the geometry's directions are right. Uses the MNIST sample shipped
+with the package."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from capsule_book.data import (AffineRanges, CanvasBatches, affine_draws, affine_matrix, affine_test_set, ink_box,
+                               load_mnist, warp)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_mnist(train=False, sample=True)
+
+
+@pytest.fixture(scope="module")
+def affine(digits):
+    return affine_test_set(*digits, seed=0)
+
+
+def test_ranges_hold_and_are_filled_on_10000_draws():
+    theta, tau, scale, where = affine_draws(10_000, torch.Generator().manual_seed(1))
+    for v, lo, hi in ((theta, -20, 20), (tau, -0.2, 0.2), (scale, 0.8, 1.2), (where, 0, 1)):
+        assert v.min() >= lo and v.max() <= hi
+        width = hi - lo
+        assert v.min() < lo + 0.01 * width and v.max() > hi - 0.01 * width
+        # uniform: a quarter of the draws in each quarter of the range, to 3 points
+        counts = torch.histc(v.float().flatten(), bins=4, min=lo, max=hi) / v.numel()
+        assert (counts - 0.25).abs().max() < 0.03, counts
+    narrow = affine_draws(1000, torch.Generator().manual_seed(1), AffineRanges(rotation=5, shear=0, scale=(1, 1)))
+    assert narrow[0].abs().max() <= 5 and narrow[1].abs().max() == 0 and (narrow[2] == 1).all()
+
+
+def test_labels_unchanged_and_every_digit_keeps_all_its_ink(digits, affine):
+    x, y = digits
+    assert torch.equal(affine.labels, y) and affine.images.shape == (len(y), 1, 40, 40)
+    assert 0 <= affine.images.min() and affine.images.max() <= 1
+    # an area-scaling map multiplies the ink by det A = s_x s_y; a digit cut by the canvas's edge would lose more
+    ratio = affine.images.sum((1, 2, 3)) / (x.float().sum((1, 2)) / 255) / affine.scale.prod(1)
+    assert (ratio - 1).abs().max() < 0.06, (ratio.min(), ratio.max())
+    box = ink_box(affine.images)
+    assert (box >= 0).all() and (box <= 39).all()
+    # the shifts spread the digits over the canvas: some touch each edge
+    assert (box[:, 0] == 0).any() and (box[:, 1] == 39).any() and (box[:, 2] == 0).any() and (box[:, 3] == 39).any()
+
+
+def test_the_recorded_parameters_are_the_ones_applied(digits, affine):
+    x, _ = digits
+    A = affine_matrix(affine.rotation, affine.shear, affine.scale[:, 0], affine.scale[:, 1])
+    A_inv = torch.linalg.inv(A)
+    back = warp(affine.images, A_inv, -(A_inv @ affine.shift[..., None].double())[..., 0])
+    centred = F.pad(x[:, None].float() / 255, (6, 6, 6, 6))
+    cos = F.cosine_similarity(back.flatten(1), centred.flatten(1))
+    assert cos.min() > 0.9 and cos.mean() > 0.97, (cos.min(), cos.mean())
+    # the same seed gives the same set, another seed another
+    again = affine_test_set(x[:50], digits[1][:50], seed=0)
+    assert torch.equal(again.images, affine.images[:50])
+    assert not torch.equal(affine_test_set(x[:50], digits[1][:50], seed=1).images, again.images)
+
+
+def test_directions_rotation_shear_scale_and_shift():
+    bar = torch.zeros(1, 1, 40, 40)
+    bar[0, 0, 20, 10:30] = 1                                      # a horizontal bar, columns 10..29, row 20
+    one, zero = torch.ones(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    turned = warp(bar, affine_matrix(90 * one, zero, one, one), torch.zeros(1, 2, dtype=torch.float64))
+    x0, x1, y0, y1 = ink_box((turned > 0.5).float())[0].tolist()
+    assert x0 == x1 and y1 - y0 == 19                             # now vertical, as long
+    wide = warp(bar, affine_matrix(zero, zero, 1.5 * one, one), torch.zeros(1, 2, dtype=torch.float64))
+    x0, x1, y0, y1 = ink_box((wide > 0.5).float())[0].tolist()
+    assert y0 == y1 == 20 and 28 <= x1 - x0 + 1 <= 31             # s_x stretches x only: 20 -> 30 columns
+    moved = warp(bar, affine_matrix(zero, zero, one, one), torch.tensor([[3.0, -2.0]], dtype=torch.float64))
+    assert torch.allclose(moved[0, 0, 18, 13:33], torch.ones(20), atol=1e-5) and moved.sum().item() == pytest.approx(20)
+    # shear τ moves a point by τ·y along x: the bar's row is the centre's, so a vertical bar leans instead
+    vbar = bar.transpose(-1, -2)
+    leaned = warp(vbar, affine_matrix(zero, 0.2 * one, one, one), torch.zeros(1, 2, dtype=torch.float64))
+    x0, x1, _, _ = ink_box((leaned > 0.3).float())[0].tolist()
+    assert x1 - x0 >= 3                                           # 20 rows × 0.2 = 4 columns of lean
+
+
+def test_expanded_mnist_offsets_are_uniform_and_repeatable(digits):
+    x, y = digits
+    cb = CanvasBatches(x, y, batch_size=len(x), uniform=True, seed=1)
+    xb, yb = next(iter(cb))
+    offsets = (ink_box(xb) - ink_box(x[cb.indices(), None].float()))[:, [0, 2]]
+    assert offsets.min() >= 0 and offsets.max() <= 12
+    freq = torch.bincount(offsets.flatten(), minlength=13) / offsets.numel()
+    assert (freq - 1 / 13).abs().max() < 0.03, freq
+    assert torch.equal(yb, y[cb.indices()])
+    assert torch.allclose(xb.sum((1, 2, 3)), x[cb.indices()].float().sum((1, 2)) / 255)
+    assert torch.equal(next(iter(cb))[0], xb)                     # the same epoch, the same placements
+
+
+def test_bad_inputs_name_what_was_expected(digits):
+    x, y = digits
+    with pytest.raises(ValueError, match=r"expected images \[B, 1, H, W\], A \[B, 2, 2\] and t \[B, 2\]"):
+        warp(torch.zeros(2, 1, 40, 40), torch.eye(2).expand(3, 2, 2), torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=r"expected digits \[N, h, w\] and labels \[N\]"):
+        affine_test_set(x[:10], y[:9])

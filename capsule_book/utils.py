@@ -13,7 +13,7 @@ import torch
 
 # %% auto #0
 __all__ = ['available_devices', 'pick_device', 'seed_everything', 'round_off', 'cpu_name', 'compiling', 'some_indices',
-           'check_finite', 'inductor_cache_per_capability', 'compiled']
+           'check_finite', 'inductor_cache_per_capability', 'compiled', 'check_images']
 
 # %% ../nbs/90_utils.ipynb #92a8acca
 def available_devices() -> list[str]:
@@ -102,3 +102,26 @@ def compiled(fn, **kwargs):
     "torch.compile(fn, **kwargs), its cache in the folder of this CPU capability."
     inductor_cache_per_capability()
     return torch.compile(fn, **kwargs)
+
+# %% ../nbs/90_utils.ipynb #786a1698
+def check_images(images: torch.Tensor, size: int, dtype: torch.dtype, who: str) -> None:
+    """Refuse `images` unless they are [B, 1, size, size], B >= 1, floats of `dtype` with values in
+    [0, 1] (the value check is skipped while torch.compile traces); `who` names the model."""
+    if images.dim() != 4 or tuple(images.shape[1:]) != (1, size, size):
+        raise ValueError(f"{who} expects images of shape [B,1,{size},{size}], got "
+                         f"{list(images.shape)}")
+    if not images.dtype.is_floating_point:
+        raise TypeError(f"{who} expects float images in [0, 1], got {images.dtype}: convert "
+                        "with images.float() / 255")
+    if images.dtype != dtype:                                  # no silent conversion
+        raise TypeError(f"{who}'s weights are {dtype} and the images {images.dtype}: convert "
+                        f"the images with images.to({dtype}) (or the model with "
+                        f".to({images.dtype}))")
+    if len(images) == 0:
+        raise ValueError(f"{who} needs at least one image, got an empty batch [0, 1, {size}, {size}]")
+    if compiling(): return
+    lo, hi = (v.item() for v in torch.aminmax(images.detach()))   # NaN fails the test below
+    if not 0 <= lo <= hi <= 1:
+        check_finite("images", images, "image")
+        raise ValueError(f"{who} expects pixels in [0, 1], got values in [{lo:.4g}, {hi:.4g}]"
+                         + (": divide by 255" if 1 < hi <= 255 else ""))

@@ -9,8 +9,11 @@ written, every output of the forward pass built in training too). --speed times 
 backward, RMSProp on the flat parameters) of the official configuration in both trees, in rotating rounds of fresh
 processes with the same thread count, and prints the median milliseconds per step of each and their ratio; it also
 checks that both compute the same loss (evaluation mode, no noise) on the same batch from the same initial weights.
-The time of a step is the process's CPU time (one thread): on a machine whose other core is busy, wall-clock time
-measures the neighbours as much as the step; the wall-clock medians are reported beside it. Writes the result to
+The time of a step is the process's CPU time (one thread, the kernel's time on its behalf included): on a machine
+whose other core is busy, wall-clock time measures the neighbours as much as the step; the wall-clock medians are
+reported beside it. By default each tree runs as it trains: the book's with its freed memory kept
+(`keep_freed_memory`, as `capsule-book train`), the reference with glibc's defaults; `--same-allocator` gives both
+the same allocator settings, to time the steps' arithmetic alone. Writes the result to
 --out (JSON).
 
 Training itself runs through the engine: `capsule-book train scae ...` (Chapter 11).
@@ -30,7 +33,13 @@ from capsule_book.utils import cpu_name
 
 # one timing round, run in a fresh process with PYTHONPATH set to the tree under test
 SPEED_WORKER = r"""
-import json, sys, time, torch
+import json, sys, time
+try:                                   # as `capsule-book train` runs: freed memory kept (Appendix D)
+    from capsule_book.cli import keep_freed_memory
+    keep_freed_memory()
+except ImportError:                    # a tree without it: glibc's defaults
+    pass
+import torch
 from capsule_book import scae
 from capsule_book.data import CanvasBatches, load_mnist
 steps, warmup, batch = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -60,14 +69,19 @@ print(json.dumps({"ms": 1000 * cpu[len(cpu) // 2], "wall_ms": 1000 * wall[len(wa
 """
 
 
-def round_of(tree: Path, steps: int, warmup: int, batch: int, threads: int) -> dict:
+TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296"
+
+def round_of(tree: Path, steps: int, warmup: int, batch: int, threads: int,
+             same_allocator: bool = False) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(threads)}
+    if same_allocator: env["GLIBC_TUNABLES"] = TUNABLES
     out = subprocess.run([sys.executable, "-c", SPEED_WORKER, str(steps), str(warmup), str(batch)],
                          env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def speed(reference: str, rounds: int, steps: int, warmup: int, batch: int, threads: int) -> dict:
+def speed(reference: str, rounds: int, steps: int, warmup: int, batch: int, threads: int,
+          same_allocator: bool = False) -> dict:
     root = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as tmp:
         ref_tree = Path(tmp) / "reference"
@@ -79,7 +93,8 @@ def speed(reference: str, rounds: int, steps: int, warmup: int, batch: int, thre
             for r in range(rounds):
                 order = list(trees) if r % 2 == 0 else list(trees)[::-1]
                 for name in order:
-                    runs[name].append(round_of(trees[name], steps, warmup, batch, threads))
+                    runs[name].append(round_of(trees[name], steps, warmup, batch, threads,
+                                               same_allocator))
                 print(f"round {r + 1}: " + ", ".join(f"{n} {runs[n][-1]['ms']:.0f} ms" for n in trees),
                       file=sys.stderr)
         finally:
@@ -88,6 +103,8 @@ def speed(reference: str, rounds: int, steps: int, warmup: int, batch: int, thre
     ms = {n: statistics.median(x["ms"] for x in v) for n, v in runs.items()}
     losses = {n: v[0]["loss"] for n, v in runs.items()}
     return {"reference": reference, "batch_size": batch, "threads": threads, "rounds": rounds,
+            "allocator": "glibc tunables for both" if same_allocator else "as run: the book's tree "
+                         "keeps freed memory (capsule-book train), the reference glibc's defaults",
             "steps_per_round": steps, "cpu": cpu_name(),
             "ms_per_step": {n: round(v, 1) for n, v in ms.items()},
             "wall_ms_per_step": {n: round(statistics.median(x["wall_ms"] for x in v), 1)
@@ -108,11 +125,14 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=5, help="timed steps per round (median taken)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--same-allocator", action="store_true",
+                   help="both trees with glibc's freed memory kept (GLIBC_TUNABLES), the steps alone")
     p.add_argument("--out", default=None, help="write the JSON here too")
     args = p.parse_args(argv)
     if not args.speed:
         p.error("nothing to do: pass --speed (training runs through `capsule-book train scae`)")
-    report = speed(args.reference, args.rounds, args.steps, args.warmup, args.batch_size, args.threads)
+    report = speed(args.reference, args.rounds, args.steps, args.warmup, args.batch_size, args.threads,
+                   args.same_allocator)
     print(json.dumps(report, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Callable, Optional
 
 # %% auto #0
-__all__ = ['COMMANDS', 'finite', 'non_negative', 'probability', 'register', 'Parser', 'build_parser', 'main', 'positive',
-           'non_negative_int', 'positive_float', 'number', 'device', 'run_arguments', 'print_last_row', 'run_settings',
-           'resume_command', 'eval_arguments', 'load_for_eval', 'capsnet_train_arguments', 'train_capsnet_command',
-           'capsnet_eval_arguments', 'eval_capsnet_command', 'mog_train_arguments', 'train_mog_command',
-           'mog_eval_arguments', 'eval_mog_command', 'ccae_train_arguments', 'ccae_from_args', 'ccae_train_settings',
-           'train_ccae_command', 'ccae_eval_arguments', 'eval_ccae_command', 'scae_train_arguments',
-           'train_scae_command', 'scae_eval_arguments', 'eval_scae_command']
+__all__ = ['COMMANDS', 'finite', 'non_negative', 'probability', 'register', 'Parser', 'build_parser', 'main', 'keep_freed_memory',
+           'positive', 'non_negative_int', 'positive_float', 'number', 'device', 'run_arguments', 'print_last_row',
+           'run_settings', 'resume_command', 'eval_arguments', 'load_for_eval', 'capsnet_train_arguments',
+           'train_capsnet_command', 'capsnet_eval_arguments', 'eval_capsnet_command', 'mog_train_arguments',
+           'train_mog_command', 'mog_eval_arguments', 'eval_mog_command', 'ccae_train_arguments', 'ccae_from_args',
+           'ccae_train_settings', 'train_ccae_command', 'ccae_eval_arguments', 'eval_ccae_command',
+           'scae_train_arguments', 'train_scae_command', 'scae_eval_arguments', 'eval_scae_command']
 
 # %% ../nbs/93_cli.ipynb #642e09a9
 COMMANDS: dict[str, dict[str, tuple[Callable, Callable, str]]] = {"train": {}, "eval": {}}
@@ -66,6 +66,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = argv
+    # a training process reuses the memory it frees (below); other commands run as they are
+    if args.action == "train": keep_freed_memory()
     try:
         return args.run(args) or 0
     except KeyboardInterrupt as e:
@@ -76,6 +78,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         # a user's mistake: one line, exit 2; anything else is a bug: traceback
         if not _is_user_error(e): raise
         parser.exit(2, f"capsule-book: error: {e}\n")
+
+# %% ../nbs/93_cli.ipynb #a3b75042
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4          # mallopt's parameters (glibc's malloc.h)
+
+def keep_freed_memory() -> bool:
+    """For the rest of this process, glibc's malloc serves every allocation from its heap and
+    keeps freed memory for reuse (no kernel-zeroed pages each step); False where the C library
+    is not glibc."""
+    import ctypes, ctypes.util, platform
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc": return False
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 # %% ../nbs/93_cli.ipynb #3d0f169d
 def positive(text: str) -> int:

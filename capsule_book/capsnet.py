@@ -100,33 +100,6 @@ class CapsNet(nn.Module):
                                      nn.Linear(512, 1024), nn.ReLU(inplace=True),
                                      nn.Linear(1024, 784), nn.Sigmoid())
 
-    def capsules(self, images: Tensor, return_coupling: bool = False):
-        """Digit capsules v [B,10,16] of `images` [B,1,28,28], B >= 1, pixels in [0, 1], in the
-        weights' dtype (no conversion); and the coupling coefficients c [B,1152,10] if asked."""
-        if images.dim() != 4 or tuple(images.shape[1:]) != (1, 28, 28):
-            raise ValueError("CapsNet expects images of shape [B,1,28,28], got "
-                             f"{list(images.shape)}")
-        if not images.dtype.is_floating_point:
-            raise TypeError(f"CapsNet expects float images in [0, 1], got {images.dtype}: convert "
-                            "with images.float() / 255")
-        if images.dtype != self.conv1.weight.dtype:       # no silent conversion
-            w = self.conv1.weight.dtype
-            raise TypeError(f"CapsNet's weights are {w} and the images {images.dtype}: convert "
-                            f"the images with images.to({w}) (or the model with "
-                            f".to({images.dtype}))")
-        if len(images) == 0:
-            raise ValueError("CapsNet needs at least one image, got an empty batch [0, 1, 28, 28]")
-        if not compiling():
-            # pixels in [0, 1]: one reduction (NaN fails it too)
-            lo, hi = torch.aminmax(images.detach())
-            lo, hi = lo.item(), hi.item()
-            if not 0 <= lo <= hi <= 1:
-                check_finite("images", images, "image")
-                raise ValueError(f"CapsNet expects pixels in [0, 1], got values in [{lo:.4g}, "
-                                 f"{hi:.4g}]" + (": divide by 255" if 1 < hi <= 255 else ""))
-        u = self.primary_caps(F.relu(self.conv1(images), inplace=True))  # [B, 1152, 8]
-        return self.digit_caps(u, return_coupling=return_coupling)  # [B, 10, 16] (, [B, 1152, 10])
-
     def reconstruct(self, caps: Tensor, index: Tensor) -> Tensor:
         "Decode capsule `index[b]` of `caps[b]` [B,10,16] alone into an image [B,1,28,28]."
         return self.decoder(mask_capsules(caps, index)).view(-1, 1, 28, 28)
@@ -138,6 +111,36 @@ class CapsNet(nn.Module):
         predictions = (caps * caps).sum(-1).argmax(-1)             # the longest capsule, [B]
         index = labels if (self.training and labels is not None) else predictions
         return CapsNetOutput(caps, self.reconstruct(caps, index), predictions)
+
+# %% ../nbs/04_capsnet.ipynb #6dcdf799
+def _capsnet_capsules(self: CapsNet, images: Tensor, return_coupling: bool = False):
+    """Digit capsules v [B,10,16] of `images` [B,1,28,28], B >= 1, pixels in [0, 1], in the
+    weights' dtype (no conversion); and the coupling coefficients c [B,1152,10] if asked."""
+    if images.dim() != 4 or tuple(images.shape[1:]) != (1, 28, 28):
+        raise ValueError("CapsNet expects images of shape [B,1,28,28], got "
+                         f"{list(images.shape)}")
+    if not images.dtype.is_floating_point:
+        raise TypeError(f"CapsNet expects float images in [0, 1], got {images.dtype}: convert "
+                        "with images.float() / 255")
+    if images.dtype != self.conv1.weight.dtype:       # no silent conversion
+        w = self.conv1.weight.dtype
+        raise TypeError(f"CapsNet's weights are {w} and the images {images.dtype}: convert "
+                        f"the images with images.to({w}) (or the model with "
+                        f".to({images.dtype}))")
+    if len(images) == 0:
+        raise ValueError("CapsNet needs at least one image, got an empty batch [0, 1, 28, 28]")
+    if not compiling():
+        # pixels in [0, 1]: one reduction (NaN fails it too)
+        lo, hi = torch.aminmax(images.detach())
+        lo, hi = lo.item(), hi.item()
+        if not 0 <= lo <= hi <= 1:
+            check_finite("images", images, "image")
+            raise ValueError(f"CapsNet expects pixels in [0, 1], got values in [{lo:.4g}, "
+                             f"{hi:.4g}]" + (": divide by 255" if 1 < hi <= 255 else ""))
+    u = self.primary_caps(F.relu(self.conv1(images), inplace=True))  # [B, 1152, 8]
+    return self.digit_caps(u, return_coupling=return_coupling)  # [B, 10, 16] (, [B, 1152, 10])
+
+CapsNet.capsules = _capsnet_capsules
 
 # %% ../nbs/04_capsnet.ipynb #a00d6634
 def capsnet_loss(out: CapsNetOutput, images: Tensor, labels: Tensor,

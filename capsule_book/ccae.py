@@ -49,27 +49,31 @@ class OfficialCapsuleEncoder(nn.Module):
         # True: the row-wise layers on the present points only (above); False: as written here
         self.packed = True
 
-    def forward(self, X: Tensor, mask: Optional[Tensor] = None) -> Tensor:
-        "X [B, M, dim_in], mask [B, M] True = present → c [B, K, dim_out]."
-        _check_set("X", X, self.embed.in_features)
-        mask = _check_mask(mask, X.shape[0], X.shape[1])
-        if self.packed and mask is not None:
-            z = _points_on_present_rows(self, X, mask)                            # [B, M, dim_out]
-        else:
-            h = self.embed(X)                                                         # [B, M, dim]
-            for sab in self.sabs:
-                h = sab(h, mask)                                                      # [B, M, dim]
-            # [B, M, dim_out]
-            z = self.z(h)
-        Q = self.queries.expand(X.shape[0], -1, -1)
-        if self.readout_kind == "attention":
-            # [B, K, dim_out]
-            return self.readout(Q, z, z, mask)
-        # Eq. (8.1) per head, [B, h, K, dim_out/h]: the same projections, shares over capsules
-        Qh, Kh, Vh = self.readout.heads(Q, z, z)
-        O = competitive_attention(Qh, Kh, Vh, None if mask is None else mask[:, None, :])
+# %% ../nbs/08_ccae.ipynb #85af69a5
+def _official_encoder_forward(self: OfficialCapsuleEncoder, X: Tensor,
+                              mask: Optional[Tensor] = None) -> Tensor:
+    "X [B, M, dim_in], mask [B, M] True = present → c [B, K, dim_out]."
+    _check_set("X", X, self.embed.in_features)
+    mask = _check_mask(mask, X.shape[0], X.shape[1])
+    if self.packed and mask is not None:
+        z = _points_on_present_rows(self, X, mask)                            # [B, M, dim_out]
+    else:
+        h = self.embed(X)                                                         # [B, M, dim]
+        for sab in self.sabs:
+            h = sab(h, mask)                                                      # [B, M, dim]
+        # [B, M, dim_out]
+        z = self.z(h)
+    Q = self.queries.expand(X.shape[0], -1, -1)
+    if self.readout_kind == "attention":
         # [B, K, dim_out]
-        return self.readout.W_O(O.transpose(1, 2).flatten(-2))
+        return self.readout(Q, z, z, mask)
+    # Eq. (8.1) per head, [B, h, K, dim_out/h]: the same projections, shares over capsules
+    Qh, Kh, Vh = self.readout.heads(Q, z, z)
+    O = competitive_attention(Qh, Kh, Vh, None if mask is None else mask[:, None, :])
+    # [B, K, dim_out]
+    return self.readout.W_O(O.transpose(1, 2).flatten(-2))
+
+OfficialCapsuleEncoder.forward = _official_encoder_forward
 
 # %% ../nbs/08_ccae.ipynb #e2a250ef
 def capsule_encoder(kind: str, n_objects: int, dim_special: int, dim: int = 128, n_heads: int = 4,
@@ -231,6 +235,7 @@ def ccae_losses(votes: CapsuleVotes, log_likelihood: Tensor, posterior: Tensor, 
         **sparsity_losses(u, mass, n_classes),
     }
 
+# %% ../nbs/08_ccae.ipynb #3d361373
 def sparsity_losses(u: Tensor, mass: Tensor, n_classes: int,
                     within_constant: Optional[float] = None) -> dict:
     """The prior sparsity terms of the object presences u [B, K] and the posterior ones of the
@@ -286,6 +291,38 @@ def _with_empty_examples(out: Optional[CCAEOutput], keep: Tensor, points: Tensor
                       full("vote_presence", (B, K, N)), full("object_presence", (B, K)),
                       full("posterior", (B, M, K * N)))
 
+# %% ../nbs/08_ccae.ipynb #16890acc
+def _ccae_loss_weights(weights: Optional[dict]) -> dict:
+    """OFFICIAL_WEIGHTS with `weights` over them; an unknown name, or a weight that is not a
+    finite number >= 0, is refused."""
+    weights = {**OFFICIAL_WEIGHTS, **(weights or {})}
+    unknown = set(weights) - set(OFFICIAL_WEIGHTS)
+    if unknown:
+        raise ValueError(f"unknown loss weights {sorted(unknown)}; known: "
+                         f"{sorted(OFFICIAL_WEIGHTS)}")
+    # a weight of NaN, inf or below 0 makes the loss meaningless
+    bad = {k: v for k, v in weights.items()
+           if not (isinstance(v, (int, float)) and 0 <= v < math.inf)}
+    if bad: raise ValueError(f"loss weights must be finite numbers >= 0, got {bad}")
+    return weights
+
+# %% ../nbs/08_ccae.ipynb #c55e36cd
+def _ccae_part_decoder(K: int, N: int, dim_special: int, n_hidden: int,
+                       template_init: float) -> tuple[list, BatchMLP, nn.Parameter, nn.Parameter]:
+    """The split of h^part's output, h^part of Eq. (2), the bias of all but the dynamic OP part,
+    and the static part poses OP_k,n, uniform in ±template_init."""
+    # dynamic OP params, OV params, ℓ_k, ℓ_k,n, scale params
+    splits = [6 * N, 6, 1, N, N]
+    # Eq. (2)
+    h_part = BatchMLP(K, [dim_special, n_hidden, n_hidden, sum(splits)], final_bias=False)
+    # bias of all but the dynamic OP part
+    bias = nn.Parameter(torch.zeros(K, sum(splits[1:])))
+    if not template_init > 0:
+        raise ValueError(f"template_init must be positive, got {template_init!r}")
+    # learned static OP_k,n params, uniform in ±template_init (official: OFFICIAL_TEMPLATE_INIT)
+    op_static = nn.Parameter(torch.empty(K, N, 6).uniform_(-template_init, template_init))
+    return splits, h_part, bias, op_static
+
 # %% ../nbs/08_ccae.ipynb #1adb6cb1
 class CCAE(nn.Module):
     """Constellation Capsule Autoencoder (Kosiorek et al. 2019, Sec. 2.1): points
@@ -314,32 +351,16 @@ class CCAE(nn.Module):
         self.part_noise = bool(part_noise)
         # False: rigid templates, OP_k,n = T(static_k,n) in every example
         self.deformations = bool(deformations)
-        self.weights = {**OFFICIAL_WEIGHTS, **(weights or {})}
-        unknown = set(self.weights) - set(OFFICIAL_WEIGHTS)
-        if unknown:
-            raise ValueError(f"unknown loss weights {sorted(unknown)}; known: "
-                             f"{sorted(OFFICIAL_WEIGHTS)}")
-        # a weight of NaN, inf or below 0 makes the loss meaningless
-        bad = {k: v for k, v in self.weights.items()
-               if not (isinstance(v, (int, float)) and 0 <= v < math.inf)}
-        if bad: raise ValueError(f"loss weights must be finite numbers >= 0, got {bad}")
+        self.weights = _ccae_loss_weights(weights)
         # Eq. (7.4): the official dummy vote, or None
         self.background = check_background(background)
         # h^caps, Eq. (1)
         self.encoder = capsule_encoder(encoder, K, dim_special, dim, n_heads, n_layers, readout)
         # True: the same function through torch.compile (*Training*, below), for training speed
         self.compiled = False
-        # dynamic OP params, OV params, ℓ_k, ℓ_k,n, scale params
-        self.splits = [6 * N, 6, 1, N, N]
-        # Eq. (2)
-        self.h_part = BatchMLP(K, [dim_special, n_hidden, n_hidden, sum(self.splits)],
-                               final_bias=False)
-        # bias of all but the dynamic OP part
-        self.bias = nn.Parameter(torch.zeros(K, sum(self.splits[1:])))
-        if not template_init > 0:
-            raise ValueError(f"template_init must be positive, got {template_init!r}")
-        # learned static OP_k,n params, uniform in ±template_init (official: OFFICIAL_TEMPLATE_INIT)
-        self.op_static = nn.Parameter(torch.empty(K, N, 6).uniform_(-template_init, template_init))
+        # h^part, Eq. (2), and the static part poses OP_k,n
+        self.splits, self.h_part, self.bias, self.op_static = _ccae_part_decoder(
+            K, N, dim_special, n_hidden, template_init)
 
 # %% ../nbs/08_ccae.ipynb #e5b43ec3
 def _ccae_forward(self: CCAE, points: Tensor, presence: Tensor) -> CCAEOutput:
@@ -405,15 +426,10 @@ def evaluate_ccae(model: CCAE, n: int = 10_000, batch_size: int = 32, seed: int 
     model.train(was_training)
     return {**segmentation_report(a, y, p, model.K), "log_likelihood": ll.mean().item(), "n": n}
 
-# %% ../nbs/08_ccae.ipynb #46cb84ff
-def ccae_task(model: CCAE, batch_size: int = 32, lr: float = 1e-4, seed: int = 0,
-              optimizer: str = "rmsprop", lr_decay: float = 1.0, decay_steps: int = 10_000,
-              eval_n: int = 2000, resume_command: str = "", drop_prob: float = 0.5,
-              complete_steps: int = 0, average: float = 0.0) -> Task:
-    """The engine's task for a CCAE on fresh constellations (each pattern dropped with
-    `drop_prob`, none in the first `complete_steps`): RMSProp (official, as `FlatRMSprop`) or
-    Adam, η(s) = lr·lr_decay^(s/decay_steps); `average` > 0: evaluate and end with a moving average
-    of the weights (Task.average)."""
+# %% ../nbs/08_ccae.ipynb #fde73c6a
+def _check_ccae_task(batch_size: int, drop_prob: float, complete_steps: int, lr_decay: float,
+                     decay_steps: int) -> None:
+    "Refuse settings of `ccae_task` that make no run, naming the one at fault."
     if not 0 <= drop_prob < 1:
         raise ValueError(f"drop_prob must lie in [0, 1), got {drop_prob}")
     if complete_steps < 0 or complete_steps % 100:
@@ -423,6 +439,11 @@ def ccae_task(model: CCAE, batch_size: int = 32, lr: float = 1e-4, seed: int = 0
         raise ValueError(f"lr_decay must lie in (0, 1] and decay_steps be >= 1, got {lr_decay} and "
                          f"{decay_steps}")
     if batch_size < 1: raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+
+# %% ../nbs/08_ccae.ipynb #92b690d3
+def _ccae_optimizer(model: CCAE, optimizer: str, lr: float,
+                    batch_size: int) -> torch.optim.Optimizer:
+    "The official RMSProp (as `FlatRMSprop`, ε = 0.1/batch_size) or Adam, over the CCAE's weights."
     if optimizer == "rmsprop":
         opt = FlatRMSprop(model, compiled=model.compiled, lr=lr, alpha=0.9, momentum=0.9,
                           eps=0.1 / batch_size)
@@ -430,6 +451,19 @@ def ccae_task(model: CCAE, batch_size: int = 32, lr: float = 1e-4, seed: int = 0
         opt = torch.optim.Adam(model.parameters(), lr=lr)
     else:
         raise ValueError(f"optimizer must be 'rmsprop' or 'adam', got {optimizer!r}")
+    return opt
+
+# %% ../nbs/08_ccae.ipynb #46cb84ff
+def ccae_task(model: CCAE, batch_size: int = 32, lr: float = 1e-4, seed: int = 0,
+              optimizer: str = "rmsprop", lr_decay: float = 1.0, decay_steps: int = 10_000,
+              eval_n: int = 2000, resume_command: str = "", drop_prob: float = 0.5,
+              complete_steps: int = 0, average: float = 0.0) -> Task:
+    """The engine's task for a CCAE on fresh constellations (each pattern dropped with
+    `drop_prob`, none in the first `complete_steps`): RMSProp (official, as `FlatRMSprop`) or
+    Adam, η(s) = lr·lr_decay^(s/decay_steps); `average` > 0: evaluate and end with a moving average
+    of the weights (Task.average)."""
+    _check_ccae_task(batch_size, drop_prob, complete_steps, lr_decay, decay_steps)
+    opt = _ccae_optimizer(model, optimizer, lr, batch_size)
     device = next(model.parameters()).device
 
     # chunk n: 100 batches, one normalisation; complete constellations before complete_steps

@@ -41,6 +41,30 @@ class Constellations(NamedTuple):
     presence: Tensor
     pattern_id: Tensor
 
+# %% ../nbs/06_constellations.ipynb #3cc63c14
+def _draw_objects(patterns: Sequence[str], B: int, g: Optional[torch.Generator],
+                  rotation_percent: float, max_scale: float, max_translation: float,
+                  drop_prob: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Every pattern placed by its own random similarity transform in each of B examples, kept
+    whole with probability 1 - drop_prob: points [B, M, 2] (float64), presence and pattern_id
+    [B, M]."""
+    f64 = torch.float64
+    corners, present, ids = [], [], []
+    for k, name in enumerate(patterns):
+        p = PATTERNS[name]                                                   # [N_k, 2]
+        # θ [B], s [B], t [B, 2]: object k's similarity transform in every example
+        theta = (torch.rand(B, generator=g, dtype=f64) - 0.5) * 2 * math.pi * rotation_percent
+        s = 1.0 + torch.rand(B, generator=g, dtype=f64) * max_scale
+        t = torch.rand(B, 2, generator=g, dtype=f64) * 24.0 * max_translation
+        corners.append(similarity_transform(p, theta, s, t))                 # [B, N_k, 2]
+        keep = torch.rand(B, generator=g, dtype=f64) < 1.0 - drop_prob      # [B], one per object
+        present.append(keep[:, None].expand(B, len(p)))                      # [B, N_k]
+        ids.append(torch.full((len(p),), k, dtype=torch.long))
+    points = torch.cat(corners, 1)                                           # [B, M, 2]
+    presence = torch.cat(present, 1)                                         # [B, M]
+    pattern_id = torch.cat(ids).expand(B, -1)                                # [B, M]
+    return points, presence, pattern_id
+
 # %% ../nbs/06_constellations.ipynb #1a968b67
 def make_constellations(
     batch_size: int,
@@ -65,20 +89,8 @@ def make_constellations(
     if not 0.0 <= drop_prob <= 1.0:
         raise ValueError(f"drop_prob must lie in [0, 1], got {drop_prob}")
     B, f64, g = batch_size, torch.float64, generator
-    corners, present, ids = [], [], []
-    for k, name in enumerate(patterns):
-        p = PATTERNS[name]                                                   # [N_k, 2]
-        # θ [B], s [B], t [B, 2]: object k's similarity transform in every example
-        theta = (torch.rand(B, generator=g, dtype=f64) - 0.5) * 2 * math.pi * rotation_percent
-        s = 1.0 + torch.rand(B, generator=g, dtype=f64) * max_scale
-        t = torch.rand(B, 2, generator=g, dtype=f64) * 24.0 * max_translation
-        corners.append(similarity_transform(p, theta, s, t))                 # [B, N_k, 2]
-        keep = torch.rand(B, generator=g, dtype=f64) < 1.0 - drop_prob      # [B], one per object
-        present.append(keep[:, None].expand(B, len(p)))                      # [B, N_k]
-        ids.append(torch.full((len(p),), k, dtype=torch.long))
-    points = torch.cat(corners, 1)                                           # [B, M, 2]
-    presence = torch.cat(present, 1)                                         # [B, M]
-    pattern_id = torch.cat(ids).expand(B, -1)                                # [B, M]
+    points, presence, pattern_id = _draw_objects(patterns, B, g, rotation_percent, max_scale,
+                                                 max_translation, drop_prob)
     if shuffle:
         # [B, M], one permutation per example
         perm = torch.argsort(torch.rand(points.shape[:2], generator=g), dim=1)

@@ -144,41 +144,46 @@ class MNISTBatches:
         "Choose the epoch whose order and shifts the next iteration yields."
         self.epoch = epoch
 
-    def indices(self) -> Tensor:
-        "This process's example indices for the current epoch."
-        n = self.labels.shape[0]
-        if self.shuffle:
-            idx = torch.randperm(
-                n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch))
-        else:
-            idx = torch.arange(n)
-        if self.pad and n % self.world_size:
-            idx = torch.cat([idx, idx[: self.world_size - n % self.world_size]])
-        return idx[self.rank :: self.world_size]
-
     def __len__(self) -> int:
         return -(-len(self.indices()) // self.batch_size)
 
     def __iter__(self):
         return self.iter_from(0)
 
-    def iter_from(self, first: int = 0):
-        """The epoch's batches from batch `first` on; skipped batches still draw their
-        shifts, so the rest are the same."""
-        idx = self.indices()
-        g = torch.Generator().manual_seed((self.seed * 100_003 + self.epoch) * 1_009
-                                          + self.rank + 1)
-        for k, s in enumerate(range(0, len(idx), self.batch_size)):
-            j = idx[s : s + self.batch_size]
-            if k < first:
-                if self.max_shift:
-                    # as random_shift
-                    torch.randint(0, 2 * self.max_shift + 1, (2, len(j)), generator=g)
-                continue
-            # [B,1,28,28] in [0,1]
-            x = self.images[j].to(self.device, non_blocking=True).float().div_(255)
-            if self.max_shift: x = random_shift(x, self.max_shift, g)
-            yield x, self.labels[j].to(self.device, non_blocking=True)
+# %% ../nbs/91_data.ipynb #0983e592
+def _mnist_batches_indices(self: MNISTBatches) -> Tensor:
+    "This process's example indices for the current epoch."
+    n = self.labels.shape[0]
+    if self.shuffle:
+        idx = torch.randperm(
+            n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch))
+    else:
+        idx = torch.arange(n)
+    if self.pad and n % self.world_size:
+        idx = torch.cat([idx, idx[: self.world_size - n % self.world_size]])
+    return idx[self.rank :: self.world_size]
+
+MNISTBatches.indices = _mnist_batches_indices
+
+def _mnist_batches_iter_from(self: MNISTBatches, first: int = 0):
+    """The epoch's batches from batch `first` on; skipped batches still draw their
+    shifts, so the rest are the same."""
+    idx = self.indices()
+    g = torch.Generator().manual_seed((self.seed * 100_003 + self.epoch) * 1_009
+                                      + self.rank + 1)
+    for k, s in enumerate(range(0, len(idx), self.batch_size)):
+        j = idx[s : s + self.batch_size]
+        if k < first:
+            if self.max_shift:
+                # as random_shift
+                torch.randint(0, 2 * self.max_shift + 1, (2, len(j)), generator=g)
+            continue
+        # [B,1,28,28] in [0,1]
+        x = self.images[j].to(self.device, non_blocking=True).float().div_(255)
+        if self.max_shift: x = random_shift(x, self.max_shift, g)
+        yield x, self.labels[j].to(self.device, non_blocking=True)
+
+MNISTBatches.iter_from = _mnist_batches_iter_from
 
 # %% ../nbs/91_data.ipynb #47ea556b
 def canvas_offsets(shift: Tensor, room: int) -> Tensor:
@@ -207,6 +212,7 @@ def place_on_canvas(images: Tensor, offsets: Tensor, canvas: int = 40) -> Tensor
     out[torch.arange(B)[:, None, None], rows, cols] = images
     return out[:, None]                                                             # [B, 1, C, C]
 
+# %% ../nbs/91_data.ipynb #65afc897
 class CanvasBatches(MNISTBatches):
     """`MNISTBatches` with every digit on a canvas x canvas black image, at the official random
     offset (Eq. B.1), at an offset drawn uniformly from 0..room (`uniform=True`, the expanded MNIST)

@@ -97,35 +97,37 @@ class _FourierConv2d(torch.autograd.Function):
         y = y.contiguous()
         return y.add_(bias.view(1, O, 1, 1)) if bias is not None else y
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, gy: Tensor):
-        X, Wh = ctx.saved_tensors
-        B, C, H, W, O, kh, kw, sh, sw = ctx.shapes
-        dev = str(X.device)
-        Dx, Dw, M = (_dft(H, W, H, W, X.dtype, dev), _dft(H, W, kh, kw, X.dtype, dev),
-                     _inverse(H, W, kh, kw, sh, sw, X.dtype, dev))
-        F2 = Dx.shape[0]; Fn = F2 // 2; Ph, Pw = gy.shape[-2:]
-        # ∂L/∂(Re ŷ; Im ŷ)
-        G = torch.mm(M, gy.permute(2, 3, 0, 1).reshape(Ph * Pw, B * O)).view(2, Fn, B, O)
-        gx = gw = gb = None
-        # Eq. (E.7), then D_x^T
-        if ctx.needs_input_grad[0]:
-            gX = X.new_empty(2, Fn, B, C)
-            Wr_t, Wi_t = Wh[0].transpose(1, 2), Wh[1].transpose(1, 2)
-            torch.bmm(G[0], Wr_t, out=gX[0]).baddbmm_(G[1], Wi_t, alpha=-1)
-            torch.bmm(G[0], Wi_t, out=gX[1]).baddbmm_(G[1], Wr_t)
-            gx = torch.mm(gX.view(F2, B * C).t(), Dx).view(B, C, H, W)
-        # Eq. (E.8), then D_w^T
-        if ctx.needs_input_grad[1]:
-            gWh = X.new_empty(2, Fn, C, O)
-            Xr_t, Xi_t = X[0].transpose(1, 2), X[1].transpose(1, 2)
-            torch.bmm(Xr_t, G[0], out=gWh[0]).baddbmm_(Xi_t, G[1])
-            torch.bmm(Xi_t, G[0], out=gWh[1]).baddbmm_(Xr_t, G[1], alpha=-1)
-            gw = torch.mm(gWh.view(F2, C * O).t(), Dw).view(C, O, kh, kw).transpose(0, 1)
-        if ctx.needs_input_grad[2]:
-            gb = gy.sum((0, 2, 3))
-        return gx, gw, gb, None, None, None
+# %% ../nbs/94_fourier_conv.ipynb #e6c441ce
+@torch.autograd.function.once_differentiable
+def _fourier_conv2d_backward(ctx, gy: Tensor):
+    X, Wh = ctx.saved_tensors
+    B, C, H, W, O, kh, kw, sh, sw = ctx.shapes
+    dev = str(X.device)
+    Dx, Dw, M = (_dft(H, W, H, W, X.dtype, dev), _dft(H, W, kh, kw, X.dtype, dev),
+                 _inverse(H, W, kh, kw, sh, sw, X.dtype, dev))
+    F2 = Dx.shape[0]; Fn = F2 // 2; Ph, Pw = gy.shape[-2:]
+    # ∂L/∂(Re ŷ; Im ŷ)
+    G = torch.mm(M, gy.permute(2, 3, 0, 1).reshape(Ph * Pw, B * O)).view(2, Fn, B, O)
+    gx = gw = gb = None
+    # Eq. (E.7), then D_x^T
+    if ctx.needs_input_grad[0]:
+        gX = X.new_empty(2, Fn, B, C)
+        Wr_t, Wi_t = Wh[0].transpose(1, 2), Wh[1].transpose(1, 2)
+        torch.bmm(G[0], Wr_t, out=gX[0]).baddbmm_(G[1], Wi_t, alpha=-1)
+        torch.bmm(G[0], Wi_t, out=gX[1]).baddbmm_(G[1], Wr_t)
+        gx = torch.mm(gX.view(F2, B * C).t(), Dx).view(B, C, H, W)
+    # Eq. (E.8), then D_w^T
+    if ctx.needs_input_grad[1]:
+        gWh = X.new_empty(2, Fn, C, O)
+        Xr_t, Xi_t = X[0].transpose(1, 2), X[1].transpose(1, 2)
+        torch.bmm(Xr_t, G[0], out=gWh[0]).baddbmm_(Xi_t, G[1])
+        torch.bmm(Xi_t, G[0], out=gWh[1]).baddbmm_(Xr_t, G[1], alpha=-1)
+        gw = torch.mm(gWh.view(F2, C * O).t(), Dw).view(C, O, kh, kw).transpose(0, 1)
+    if ctx.needs_input_grad[2]:
+        gb = gy.sum((0, 2, 3))
+    return gx, gw, gb, None, None, None
+
+_FourierConv2d.backward = staticmethod(_fourier_conv2d_backward)
 
 # %% ../nbs/94_fourier_conv.ipynb #7b2e9ec4
 def fourier_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,

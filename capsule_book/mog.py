@@ -118,6 +118,7 @@ class DeepSet(nn.Module):
         pooled = self.encoder(X).mean(1)
         return self.decoder(pooled).view(-1, self.n_outputs, self.dim_out)       # [B, k, 1 + 2D]
 
+# %% ../nbs/05b_mog.ipynb #2cdcbb59
 MOG_MODELS = ("rff-pooling", "sab-pma", "isab-pma")
 
 def mog_model(config: dict) -> nn.Module:

@@ -138,28 +138,33 @@ class Router(nn.Module):
                          bias=self.bias)
         return (v, c) if return_coupling else v
 
-    def _route_fused(self, u: Tensor) -> tuple[Tensor, Tensor]:
-        "Procedure 1 without materialising û; the gradient flows through the last iteration only."
-        B, I, n = u.shape
-        W_j = _weight_per_output(self.weight)          # [out_caps, in_caps·in_d, out_d]
-        buf = u.new_empty(self.out_caps, B, I * n)     # one work buffer for c_ij u_i and W_ij v_j
-        b = u.new_zeros(self.out_caps, B, I)           # b_ij = 0, [out_caps, batch, in_caps]
-        with torch.no_grad():                          # iterations 1..r-1: no gradient through û
-            u_, W_ = u.detach(), W_j.detach()
-            for _ in range(self.iterations - 1):
-                c = torch.softmax(b, dim=0)            # Eq. (3): over j, axis 0 in this layout
-                s = _TotalInputFused.apply(c, u_, W_, buf).transpose(0, 1)  # Eq. (2): [B, J, m]
-                v = squash(s if self.bias is None else s + self.bias)  # Eq. (1)
-                b = b + _agreement_fused(v, u_, W_, buf)  # b_ij += v_j · û_{j|i}
-        c = torch.softmax(b, dim=0)                    # the last iteration, with gradient
-        s = _TotalInputFused.apply(c, u, W_j, buf).transpose(0, 1)
-        v = squash(s if self.bias is None else s + self.bias)
-        return v, c                     # v [batch, out_caps, out_d], c [out_caps, batch, in_caps]
+# %% ../nbs/02_routing.ipynb #d177b5d0
+def _router_route_fused(self: Router, u: Tensor) -> tuple[Tensor, Tensor]:
+    "Procedure 1 without materialising û; the gradient flows through the last iteration only."
+    B, I, n = u.shape
+    W_j = _weight_per_output(self.weight)          # [out_caps, in_caps·in_d, out_d]
+    buf = u.new_empty(self.out_caps, B, I * n)     # one work buffer for c_ij u_i and W_ij v_j
+    b = u.new_zeros(self.out_caps, B, I)           # b_ij = 0, [out_caps, batch, in_caps]
+    with torch.no_grad():                          # iterations 1..r-1: no gradient through û
+        u_, W_ = u.detach(), W_j.detach()
+        for _ in range(self.iterations - 1):
+            c = torch.softmax(b, dim=0)            # Eq. (3): over j, axis 0 in this layout
+            s = _TotalInputFused.apply(c, u_, W_, buf).transpose(0, 1)  # Eq. (2): [B, J, m]
+            v = squash(s if self.bias is None else s + self.bias)  # Eq. (1)
+            b = b + _agreement_fused(v, u_, W_, buf)  # b_ij += v_j · û_{j|i}
+    c = torch.softmax(b, dim=0)                    # the last iteration, with gradient
+    s = _TotalInputFused.apply(c, u, W_j, buf).transpose(0, 1)
+    v = squash(s if self.bias is None else s + self.bias)
+    return v, c                     # v [batch, out_caps, out_d], c [out_caps, batch, in_caps]
 
-    def extra_repr(self) -> str:
-        return (f"in_caps={self.in_caps}, out_caps={self.out_caps}, in_d={self.in_d}, "
-                f"out_d={self.out_d}, iterations={self.iterations}, "
-                f"detach_intermediate={self.detach_intermediate}, bias={self.bias is not None}")
+Router._route_fused = _router_route_fused
+
+def _router_extra_repr(self: Router) -> str:
+    return (f"in_caps={self.in_caps}, out_caps={self.out_caps}, in_d={self.in_d}, "
+            f"out_d={self.out_d}, iterations={self.iterations}, "
+            f"detach_intermediate={self.detach_intermediate}, bias={self.bias is not None}")
+
+Router.extra_repr = _router_extra_repr
 
 # %% ../nbs/02_routing.ipynb #0d7e5712
 def coupling_history(u_hat: Tensor, iterations: int = 3,

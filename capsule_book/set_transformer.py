@@ -90,20 +90,6 @@ class Multihead(nn.Module):
         split = lambda t: t.unflatten(-1, (self.h, self.dim // self.h)).transpose(1, 2)
         return split(self.W_Q(Q)), split(self.W_K(K)), split(self.W_V(V))
 
-    def fused_heads(self, Q: Tensor, K: Tensor, V: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """`heads`, with one matrix product for the projections of one input
-        (K = V; in a SAB, Q = K = V too)."""
-        split = lambda t: t.unflatten(-1, (self.h, self.dim // self.h)).transpose(1, 2)
-        lin = (self.W_Q, self.W_K, self.W_V)
-        if Q is K and K is V: layers, inputs = [lin], [Q]
-        elif K is V: layers, inputs = [lin[:1], lin[1:]], [Q, K]
-        else: layers, inputs = [lin[:1], lin[1:2], lin[2:]], [Q, K, V]
-        out = []
-        for group, x in zip(layers, inputs):
-            y = F.linear(x, *self.stacked(group))                     # one GEMM per input
-            out += [split(t) for t in y.chunk(len(group), -1)]
-        return tuple(out)
-
     @staticmethod
     def stacked(layers) -> tuple[Tensor, Tensor]:
         "The weight and bias of nn.Linear `layers` stacked: [W_a; W_b; ...], [b_a; b_b; ...]."
@@ -114,35 +100,59 @@ class Multihead(nn.Module):
         "s of the scores ÷ √s: scale_dim where it is set, else each head's width d/h (Eq. 3)."
         return self.scale_dim or self.dim // self.h
 
-    def plan(self, n: int, m: int) -> str:
-        """The way to attend with n queries to m keys in the fewest multiply-adds (per set):
-        'heads' (Eqs. 1-3), 'few queries' (Eq. 5.1) or 'few keys' (Eq. 5.2), below."""
-        d, h, q, kv = self.dim, self.h, self.dim_q, self.dim_kv
-        cost = {"heads": n * q * d + 2 * m * kv * d + 2 * n * m * d + n * d * d,
-                "few queries": n * q * d + 2 * n * d * kv + 2 * m * kv * h * n + n * d * d,
-                "few keys": 2 * m * kv * d + m * d * q + m * d * d + n * h * m * (q + d)}
-        return min(cost, key=cost.get)
+# %% ../nbs/05_set_transformer.ipynb #3216850d
+def _multihead_fused_heads(self: Multihead, Q: Tensor, K: Tensor,
+                           V: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`heads`, with one matrix product for the projections of one input
+    (K = V; in a SAB, Q = K = V too)."""
+    split = lambda t: t.unflatten(-1, (self.h, self.dim // self.h)).transpose(1, 2)
+    lin = (self.W_Q, self.W_K, self.W_V)
+    if Q is K and K is V: layers, inputs = [lin], [Q]
+    elif K is V: layers, inputs = [lin[:1], lin[1:]], [Q, K]
+    else: layers, inputs = [lin[:1], lin[1:2], lin[2:]], [Q, K, V]
+    out = []
+    for group, x in zip(layers, inputs):
+        y = F.linear(x, *self.stacked(group))                     # one GEMM per input
+        out += [split(t) for t in y.chunk(len(group), -1)]
+    return tuple(out)
 
-    def forward(self, Q: Tensor, K: Tensor, V: Tensor, mask: Optional[Tensor] = None) -> Tensor:
-        "Q [B, n, dim_q], K and V [B, m, dim_kv], mask [B, m] → [B, n, dim]."
-        # [B, 1, m]: the same keys for every head
-        m = None if mask is None else mask[:, None, :]
-        s = self.scale_dim
-        # one GEMM per input; the fused kernel pays off from ~2^16 scores per head
-        if self.fused:
-            Qh, Kh, Vh = self.fused_heads(Q, K, V)
-            big = Qh.shape[2] * Kh.shape[2] >= 1 << 16
-            O = (F.scaled_dot_product_attention(Qh, Kh, Vh,
-                                                attn_mask=None if m is None else m[:, :, None, :],
-                                                scale=None if s is None else s ** -0.5)
-                 if big else attention(Qh, Kh, Vh, m, s))
-        else:
-            Qh, Kh, Vh = self.heads(Q, K, V)                          # [B, h, n|m, d/h]
-            # O_j, Eq. (3): [B, h, n, d/h]
-            O = attention(Qh, Kh, Vh, m, s)
-        self.n_scores = Qh.shape[0] * self.h * Qh.shape[2] * Kh.shape[2]
-        # concat(O_1..O_h) W^O: [B, n, dim]
-        return self.W_O(O.transpose(1, 2).flatten(-2))
+Multihead.fused_heads = _multihead_fused_heads
+
+def _multihead_plan(self: Multihead, n: int, m: int) -> str:
+    """The way to attend with n queries to m keys in the fewest multiply-adds (per set):
+    'heads' (Eqs. 1-3), 'few queries' (Eq. 5.1) or 'few keys' (Eq. 5.2), below."""
+    d, h, q, kv = self.dim, self.h, self.dim_q, self.dim_kv
+    cost = {"heads": n * q * d + 2 * m * kv * d + 2 * n * m * d + n * d * d,
+            "few queries": n * q * d + 2 * n * d * kv + 2 * m * kv * h * n + n * d * d,
+            "few keys": 2 * m * kv * d + m * d * q + m * d * d + n * h * m * (q + d)}
+    return min(cost, key=cost.get)
+
+Multihead.plan = _multihead_plan
+
+# %% ../nbs/05_set_transformer.ipynb #b0996b08
+def _multihead_forward(self: Multihead, Q: Tensor, K: Tensor, V: Tensor,
+                       mask: Optional[Tensor] = None) -> Tensor:
+    "Q [B, n, dim_q], K and V [B, m, dim_kv], mask [B, m] → [B, n, dim]."
+    # [B, 1, m]: the same keys for every head
+    m = None if mask is None else mask[:, None, :]
+    s = self.scale_dim
+    # one GEMM per input; the fused kernel pays off from ~2^16 scores per head
+    if self.fused:
+        Qh, Kh, Vh = self.fused_heads(Q, K, V)
+        big = Qh.shape[2] * Kh.shape[2] >= 1 << 16
+        O = (F.scaled_dot_product_attention(Qh, Kh, Vh,
+                                            attn_mask=None if m is None else m[:, :, None, :],
+                                            scale=None if s is None else s ** -0.5)
+             if big else attention(Qh, Kh, Vh, m, s))
+    else:
+        Qh, Kh, Vh = self.heads(Q, K, V)                          # [B, h, n|m, d/h]
+        # O_j, Eq. (3): [B, h, n, d/h]
+        O = attention(Qh, Kh, Vh, m, s)
+    self.n_scores = Qh.shape[0] * self.h * Qh.shape[2] * Kh.shape[2]
+    # concat(O_1..O_h) W^O: [B, n, dim]
+    return self.W_O(O.transpose(1, 2).flatten(-2))
+
+Multihead.forward = _multihead_forward
 
 # %% ../nbs/05_set_transformer.ipynb #5fe42783
 class RFF(nn.Sequential):
@@ -181,24 +191,29 @@ class MAB(nn.Module):
                              f"and Y {list(Y.shape)}")
         return self._forward(X, Y, _check_mask(mask, Y.shape[0], Y.shape[1]))
 
-    def _forward(self, X: Tensor, Y: Tensor, mask: Optional[Tensor] = None,
-                 y_map: Optional[nn.Linear] = None) -> Tensor:
-        "`forward` on checked inputs; keys and values y_map(Y) if y_map is given (PMA)."
-        mh = self.multihead
-        # cross-attention with a short side: Eqs. (5.1)-(5.2)
-        plan = mh.plan(X.shape[1], Y.shape[1]) if mh.fused and Y is not X else "heads"
-        if plan == "few queries":
-            # the same queries for every set (inducing points, seeds): computed once
-            M = attend_few_queries(mh, X[:1] if X.stride(0) == 0 else X, Y, mask, y_map)
-        else:
-            Y = Y if y_map is None else y_map(Y)
-            few_keys = plan == "few keys" and mask is None
-            M = attend_few_keys(mh, X, Y) if few_keys else mh(X, Y, Y, mask)
-        return self.feed_forward(self.ln0(self.W_R(X) + M))           # Eqs. (5), (4): [B, n, dim]
+# %% ../nbs/05_set_transformer.ipynb #7169c452
+def _mab_forward_checked(self: MAB, X: Tensor, Y: Tensor, mask: Optional[Tensor] = None,
+                         y_map: Optional[nn.Linear] = None) -> Tensor:
+    "`forward` on checked inputs; keys and values y_map(Y) if y_map is given (PMA)."
+    mh = self.multihead
+    # cross-attention with a short side: Eqs. (5.1)-(5.2)
+    plan = mh.plan(X.shape[1], Y.shape[1]) if mh.fused and Y is not X else "heads"
+    if plan == "few queries":
+        # the same queries for every set (inducing points, seeds): computed once
+        M = attend_few_queries(mh, X[:1] if X.stride(0) == 0 else X, Y, mask, y_map)
+    else:
+        Y = Y if y_map is None else y_map(Y)
+        few_keys = plan == "few keys" and mask is None
+        M = attend_few_keys(mh, X, Y) if few_keys else mh(X, Y, Y, mask)
+    return self.feed_forward(self.ln0(self.W_R(X) + M))           # Eqs. (5), (4): [B, n, dim]
 
-    def feed_forward(self, H: Tensor) -> Tensor:
-        "Eq. (4): LN(H + rFF(H)) on H [..., dim], row by row."
-        return self.ln1(H + self.rff(H))
+MAB._forward = _mab_forward_checked
+
+def _mab_feed_forward(self: MAB, H: Tensor) -> Tensor:
+    "Eq. (4): LN(H + rFF(H)) on H [..., dim], row by row."
+    return self.ln1(H + self.rff(H))
+
+MAB.feed_forward = _mab_feed_forward
 
 # %% ../nbs/05_set_transformer.ipynb #71728194
 class SAB(nn.Module):

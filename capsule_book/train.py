@@ -61,6 +61,7 @@ def save_checkpoint(state: dict, path: Union[str, os.PathLike]) -> Path:
         raise
     return path
 
+# %% ../nbs/92_train.ipynb #d63a9c0c
 def _alive(pid: int) -> bool:
     "Whether process `pid` exists (POSIX; elsewhere every other process counts as gone)."
     if pid == os.getpid(): return True
@@ -84,6 +85,7 @@ def remove_stale_temporaries(folder: Union[str, os.PathLike], name: str = "last.
             removed.append(tmp)
     return removed
 
+# %% ../nbs/92_train.ipynb #4d4b8aee
 def load_checkpoint(path: Union[str, os.PathLike],
                     map_location: Union[str, torch.device] = "cpu") -> dict:
     """Read a checkpoint written by `save_checkpoint`; a missing or unreadable file raises
@@ -265,6 +267,7 @@ def make_run_folder(out: Union[str, os.PathLike]) -> bool:
                         f"{e.strerror or type(e).__name__}") from None
     return made
 
+# %% ../nbs/92_train.ipynb #0c5fb327
 def _rows(path: Path) -> list[dict]:
     "The rows of a metrics.jsonl (none if it is absent)."
     if not path.exists(): return []
@@ -520,6 +523,7 @@ class _Interrupt:
     def __exit__(self, *exc) -> None:
         if self.active: signal.signal(signal.SIGINT, self.previous)
 
+# %% ../nbs/92_train.ipynb #aa3c9ebd
 def _finite(tensors) -> bool:
     "Whether the float tensors among `tensors` hold no NaN and no ±inf."
     return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())

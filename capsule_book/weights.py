@@ -54,6 +54,7 @@ def sha256(path: Union[str, os.PathLike]) -> str:
         for block in iter(lambda: f.read(1 << 20), b""): h.update(block)
     return h.hexdigest()
 
+# %% ../nbs/95_weights.ipynb #30d07388
 def _offline_hint() -> str:
     "How to use a clone's weights without a network, for an error message."
     here = Path.cwd() / "weights"
@@ -106,6 +107,7 @@ def entry(name: str, folder: Optional[Union[str, os.PathLike]] = None,
                         f"{', '.join(sorted(models)) or 'none'}")
     return models[name]
 
+# %% ../nbs/95_weights.ipynb #97779ffb
 def fetch(name: str, folder: Optional[Union[str, os.PathLike]] = None,
           download: bool = True) -> Path:
     """The local file of shipped model `name` with its sha256 checked: from the local folder

@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .data import MNISTBatches, load_mnist
+from .data import MNISTBatches, expanded_mnist, load_mnist
 from .losses import MarginLoss, reconstruction_loss
 from .fourier_conv import fourier_conv2d, kernel_spectrum
 from .routing import Router
 from .squash import squash
-from .utils import check_finite, compiling
+from .utils import check_finite, check_images, compiling
 from .train import (EpochStream, RunResult, Task, UserError, all_sum, fit,
                                 init_distributed, load_checkpoint, trained_weights)
 
@@ -83,26 +83,28 @@ def mask_capsules(caps: Tensor, index: Tensor) -> Tensor:
 # %% ../nbs/04_capsnet.ipynb #3b167744
 class CapsNet(nn.Module):
     """Sabour et al. (2017): Conv1 -> PrimaryCaps (1152 x 8-D) -> DigitCaps
-    (10 x 16-D, routing) -> decoder."""
+    (10 x 16-D, routing) -> decoder; on image_size x image_size images (40: 4608 primary capsules)."""
     def __init__(self, routing_iterations: int = 3, n_classes: int = 10, conv_impl: str = "auto",
                  w_std: float = 0.01, detach_intermediate: bool = True,
-                 routing_bias: Optional[float] = None):
+                 routing_bias: Optional[float] = None, image_size: int = 28):
         super().__init__()
-        self.n_classes = n_classes
+        self.n_classes, self.image_size = n_classes, image_size
+        grid = (image_size - 8 - 9) // 2 + 1                       # PrimaryCaps' side: 6 for 28
         self.conv1 = nn.Conv2d(1, 256, kernel_size=9)
         self.primary_caps = PrimaryCaps(256, 32, 8, kernel_size=9, stride=2, conv_impl=conv_impl)
         # (w_std, detach_intermediate, routing_bias: the official code's departures are
         # 0.1, False, 0.1; see "The official code's departures")
-        self.digit_caps = Router(32 * 6 * 6, n_classes, 8, 16, iterations=routing_iterations,
+        self.digit_caps = Router(32 * grid * grid, n_classes, 8, 16, iterations=routing_iterations,
                                  detach_intermediate=detach_intermediate, bias=routing_bias,
                                  std=w_std)
         self.decoder = nn.Sequential(nn.Linear(16 * n_classes, 512), nn.ReLU(inplace=True),
                                      nn.Linear(512, 1024), nn.ReLU(inplace=True),
-                                     nn.Linear(1024, 784), nn.Sigmoid())
+                                     nn.Linear(1024, image_size ** 2), nn.Sigmoid())
 
     def reconstruct(self, caps: Tensor, index: Tensor) -> Tensor:
-        "Decode capsule `index[b]` of `caps[b]` [B,10,16] alone into an image [B,1,28,28]."
-        return self.decoder(mask_capsules(caps, index)).view(-1, 1, 28, 28)
+        "Decode capsule `index[b]` of `caps[b]` [B,10,16] alone into an image [B,1,S,S]."
+        S = self.image_size
+        return self.decoder(mask_capsules(caps, index)).view(-1, 1, S, S)
 
     def forward(self, images: Tensor, labels: Optional[Tensor] = None) -> CapsNetOutput:
         """Capsules, reconstructions (masked by `labels` in training mode, else by
@@ -114,29 +116,10 @@ class CapsNet(nn.Module):
 
 # %% ../nbs/04_capsnet.ipynb #6dcdf799
 def _capsnet_capsules(self: CapsNet, images: Tensor, return_coupling: bool = False):
-    """Digit capsules v [B,10,16] of `images` [B,1,28,28], B >= 1, pixels in [0, 1], in the
-    weights' dtype (no conversion); and the coupling coefficients c [B,1152,10] if asked."""
-    if images.dim() != 4 or tuple(images.shape[1:]) != (1, 28, 28):
-        raise ValueError("CapsNet expects images of shape [B,1,28,28], got "
-                         f"{list(images.shape)}")
-    if not images.dtype.is_floating_point:
-        raise TypeError(f"CapsNet expects float images in [0, 1], got {images.dtype}: convert "
-                        "with images.float() / 255")
-    if images.dtype != self.conv1.weight.dtype:       # no silent conversion
-        w = self.conv1.weight.dtype
-        raise TypeError(f"CapsNet's weights are {w} and the images {images.dtype}: convert "
-                        f"the images with images.to({w}) (or the model with "
-                        f".to({images.dtype}))")
-    if len(images) == 0:
-        raise ValueError("CapsNet needs at least one image, got an empty batch [0, 1, 28, 28]")
-    if not compiling():
-        # pixels in [0, 1]: one reduction (NaN fails it too)
-        lo, hi = torch.aminmax(images.detach())
-        lo, hi = lo.item(), hi.item()
-        if not 0 <= lo <= hi <= 1:
-            check_finite("images", images, "image")
-            raise ValueError(f"CapsNet expects pixels in [0, 1], got values in [{lo:.4g}, "
-                             f"{hi:.4g}]" + (": divide by 255" if 1 < hi <= 255 else ""))
+    """Digit capsules v [B,10,16] of `images` [B,1,28,28] (or the model's image_size), B >= 1,
+    pixels in [0, 1], in the weights' dtype (no conversion); and the coupling coefficients
+    c [B,1152,10] if asked."""
+    check_images(images, self.image_size, self.conv1.weight.dtype, "CapsNet")  # Appendix A
     u = self.primary_caps(F.relu(self.conv1(images), inplace=True))  # [B, 1152, 8]
     return self.digit_caps(u, return_coupling=return_coupling)  # [B, 10, 16] (, [B, 1152, 10])
 
@@ -173,6 +156,7 @@ class TrainConfig:
     detach_intermediate: bool = True      # False: gradient through every iteration (official code)
     routing_bias: Optional[float] = None  # β_j in s_j, from this value (official code: 0.1)
     max_shift: int = 2
+    canvas: Optional[int] = None          # 40: the expanded MNIST of Chapter 4b (uniform offsets)
     limit_train: Optional[int] = None
     limit_test: Optional[int] = None
     # the MNIST sample shipped with the package (2,000 / 1,000 digits)
@@ -196,14 +180,15 @@ class TrainConfig:
 # the settings that define a run: a checkpoint made with other values is refused on resume
 CAPSNET_RUN_KEYS = ("batch_size", "routing_iterations", "lr", "decay_rate", "decay_steps", "min_lr",
                     "recon_weight", "max_shift", "limit_train", "limit_test", "sample", "seed",
-                    "w_std", "detach_intermediate", "routing_bias")
+                    "w_std", "detach_intermediate", "routing_bias", "canvas")
 
 def capsnet_from_config(config: dict) -> "CapsNet":
     """The (untrained) CapsNet a run's configuration describes; runs made before the
     departure options existed used their defaults."""
     return CapsNet(config["routing_iterations"], w_std=config.get("w_std", 0.01),
                    detach_intermediate=config.get("detach_intermediate", True),
-                   routing_bias=config.get("routing_bias"))
+                   routing_bias=config.get("routing_bias"),
+                   image_size=config.get("canvas") or 28)
 
 def lr_factor(step: int, decay_rate: float = 0.96, decay_steps: int = 2000,
               floor: float = 1e-3) -> float:
@@ -250,12 +235,17 @@ def capsnet_task(cfg: TrainConfig, rank: int = 0, world: int = 1,
     torch.manual_seed(cfg.seed)
     model = capsnet_from_config({k: getattr(cfg, k) for k in CAPSNET_RUN_KEYS}).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    x_tr, y_tr = load_mnist(True, root=cfg.data_root, limit=cfg.limit_train, sample=cfg.sample)
-    x_te, y_te = load_mnist(False, root=cfg.data_root, limit=cfg.limit_test, sample=cfg.sample)
-    train = MNISTBatches(x_tr, y_tr, cfg.batch_size, shuffle=True, max_shift=cfg.max_shift,
-                         seed=cfg.seed, rank=rank, world_size=world, device=device)
-    test = MNISTBatches(x_te, y_te, cfg.eval_batch_size, rank=rank, world_size=world, pad=False,
-                        device=device)
+    if cfg.canvas:                       # the expanded MNIST (Appendix B)
+        train, test = expanded_mnist(cfg, rank, world, device)
+    else:
+        x_tr, y_tr = load_mnist(True, root=cfg.data_root, limit=cfg.limit_train,
+                                sample=cfg.sample)
+        x_te, y_te = load_mnist(False, root=cfg.data_root, limit=cfg.limit_test,
+                                sample=cfg.sample)
+        train = MNISTBatches(x_tr, y_tr, cfg.batch_size, shuffle=True, max_shift=cfg.max_shift,
+                             seed=cfg.seed, rank=rank, world_size=world, device=device)
+        test = MNISTBatches(x_te, y_te, cfg.eval_batch_size, rank=rank, world_size=world,
+                            pad=False, device=device)
     margin = MarginLoss(model.n_classes)
 
     def loss(net: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, dict]:
@@ -332,7 +322,7 @@ def plot_reconstructions(model: CapsNet, images: Tensor, labels: Tensor):
 @torch.no_grad()
 def perturb_capsule(model: CapsNet, image: Tensor, deltas: Optional[Tensor] = None) -> Tensor:
     """Decode the predicted capsule of `image` [1,28,28] with each of its D dims shifted by
-    each delta: [D, n_deltas, 28, 28]."""
+    each delta: [D, n_deltas, S, S]."""
     model.eval()
     deltas = torch.arange(-0.25, 0.2501, 0.05) if deltas is None else deltas
     caps = model.capsules(image[None])                             # [1, 10, D]
@@ -343,7 +333,7 @@ def perturb_capsule(model: CapsNet, image: Tensor, deltas: Optional[Tensor] = No
     tweaked = caps.expand(D * len(deltas), -1, -1).clone()        # [D*n_deltas, 10, D]
     tweaked[:, j.item()] += bumps.reshape(-1, D)
     index = j.expand(len(tweaked))
-    return model.reconstruct(tweaked, index).view(D, len(deltas), 28, 28)
+    return model.reconstruct(tweaked, index).view(D, len(deltas), *image.shape[-2:])
 
 def plot_perturbations(model: CapsNet, image: Tensor, deltas: Optional[Tensor] = None):
     "The grid of `perturb_capsule` (rows: dimensions, columns: deltas); returns the Figure."

@@ -11,7 +11,7 @@ from typing import Optional, Union
 __all__ = ['DATA_ENV', 'DEFAULT_DATA_ROOT', 'IDX_TYPES', 'MNIST_SAMPLE_SIZE', 'MNIST_FILES', 'data_root', 'read_idx',
            'mnist_sample_folder', 'mnist_raw_folder', 'load_mnist', 'random_shift', 'MNISTBatches', 'canvas_offsets',
            'place_on_canvas', 'CanvasBatches', 'AffineRanges', 'affine_matrix', 'warp', 'ink_box', 'AffineSet',
-           'affine_draws', 'affine_test_set']
+           'affine_draws', 'affine_test_set', 'expanded_mnist']
 
 # %% ../nbs/91_data.ipynb #d23931b1
 DATA_ENV = "CAPSULE_BOOK_DATA"
@@ -327,3 +327,16 @@ def affine_test_set(images: Tensor, labels: Tensor, seed: int = 0, canvas: int =
         out.append(warp(x_c, A_c, t.double()).clamp_(0, 1))
         shifts.append(t)
     return AffineSet(torch.cat(out), labels.clone(), theta, tau, scale, torch.cat(shifts))
+
+# %% ../nbs/91_data.ipynb #80346ada
+def expanded_mnist(cfg, rank: int = 0, world: int = 1, device: Union[str, torch.device] = "cpu"
+                   ) -> tuple[CanvasBatches, CanvasBatches]:
+    """Training and test batches of the expanded MNIST for a run's settings `cfg` (batch_size,
+    canvas, limit_train, limit_test, sample, seed, eval_batch_size, data_root)."""
+    x_tr, y_tr = load_mnist(True, root=cfg.data_root, limit=cfg.limit_train, sample=cfg.sample)
+    x_te, y_te = load_mnist(False, root=cfg.data_root, limit=cfg.limit_test, sample=cfg.sample)
+    train = CanvasBatches(x_tr, y_tr, cfg.batch_size, canvas=cfg.canvas, uniform=True,
+                          shuffle=True, seed=cfg.seed, rank=rank, world_size=world, device=device)
+    test = CanvasBatches(x_te, y_te, cfg.eval_batch_size, canvas=cfg.canvas, uniform=True,
+                         seed=1_000_003, rank=rank, world_size=world, pad=False, device=device)
+    return train, test

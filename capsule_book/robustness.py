@@ -10,13 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .data import CanvasBatches, load_mnist
+from .data import expanded_mnist
 from .train import EpochStream, RunResult, Task, all_sum, fit, init_distributed
 from .utils import check_images
 
 # %% auto #0
-__all__ = ['CNN_RUN_KEYS', 'BaselineCNN', 'predict', 'accuracy_by', 'CNNConfig', 'expanded_mnist', 'evaluate_classifier',
-           'cnn_task', 'train_cnn']
+__all__ = ['CNN_RUN_KEYS', 'BaselineCNN', 'predict', 'accuracy_by', 'CNNConfig', 'evaluate_classifier', 'cnn_task', 'train_cnn']
 
 # %% ../nbs/04b_affine.ipynb #814ca551
 class BaselineCNN(nn.Module):
@@ -103,18 +102,6 @@ CNN_RUN_KEYS = ("batch_size", "lr", "decay_rate", "decay_steps", "min_lr", "drop
                 "canvas", "limit_train", "limit_test", "sample", "seed")
 
 # %% ../nbs/04b_affine.ipynb #be452097
-def expanded_mnist(cfg, rank: int = 0, world: int = 1,
-                   device: Union[str, torch.device] = "cpu") -> tuple[CanvasBatches, CanvasBatches]:
-    """Training and test batches of the expanded MNIST for a run's settings `cfg` (batch_size,
-    canvas, limit_train, limit_test, sample, seed, eval_batch_size, data_root)."""
-    x_tr, y_tr = load_mnist(True, root=cfg.data_root, limit=cfg.limit_train, sample=cfg.sample)
-    x_te, y_te = load_mnist(False, root=cfg.data_root, limit=cfg.limit_test, sample=cfg.sample)
-    train = CanvasBatches(x_tr, y_tr, cfg.batch_size, canvas=cfg.canvas, uniform=True,
-                          shuffle=True, seed=cfg.seed, rank=rank, world_size=world, device=device)
-    test = CanvasBatches(x_te, y_te, cfg.eval_batch_size, canvas=cfg.canvas, uniform=True,
-                         seed=1_000_003, rank=rank, world_size=world, pad=False, device=device)
-    return train, test
-
 @torch.no_grad()
 def evaluate_classifier(model: nn.Module, batches, world: int = 1) -> dict:
     "Accuracy and error of `model` (CapsNet or BaselineCNN) over `batches`, summed over ranks."

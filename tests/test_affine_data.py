@@ -98,3 +98,24 @@ def test_bad_inputs_name_what_was_expected(digits):
         warp(torch.zeros(2, 1, 40, 40), torch.eye(2).expand(3, 2, 2), torch.zeros(2, 2))
     with pytest.raises(ValueError, match=r"expected digits \[N, h, w\] and labels \[N\]"):
         affine_test_set(x[:10], y[:9])
+
+
+def test_capsnet_on_the_40x40_canvas_keeps_the_contract():
+    from capsule_book.capsnet import CAPSNET_RUN_KEYS, TrainConfig, capsnet_from_config
+    from dataclasses import asdict
+    torch.manual_seed(0)
+    config = {k: v for k, v in asdict(TrainConfig(canvas=40)).items() if k in CAPSNET_RUN_KEYS}
+    net = capsnet_from_config(config).eval()
+    assert net.digit_caps.in_caps == 32 * 12 * 12                 # (40 - 8 - 9) // 2 + 1 = 12 positions a side
+    x = torch.rand(3, 1, 40, 40)
+    with torch.no_grad():
+        out = net(x)
+        caps, c = net.capsules(x, return_coupling=True)
+    assert out.caps.shape == (3, 10, 16) and (out.caps.norm(dim=-1) < 1).all()
+    assert out.reconstructions.shape == (3, 1, 40, 40) and torch.equal(out.caps, caps)
+    assert torch.allclose(c.sum(-1), torch.ones(3, 4608), atol=1e-5)   # couplings sum to one over the digits
+    with pytest.raises(ValueError, match=r"CapsNet expects images of shape \[B,1,40,40\], got \[3, 1, 28, 28\]"):
+        net(torch.rand(3, 1, 28, 28))
+    # a run's configuration without `canvas` (every run before it existed) is the 28x28 network
+    old = {k: v for k, v in config.items() if k != "canvas"}
+    assert capsnet_from_config(old).image_size == 28

@@ -123,6 +123,7 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
+# %% ../nbs/93_cli.ipynb #4a25758e
 def number(low: float = -math.inf, high: float = math.inf,
            open_high: bool = False) -> Callable[[str], float]:
     "argparse type: a finite number in [low, high] (or [low, high) with `open_high`)."
@@ -338,6 +339,7 @@ def train_mog_command(args: argparse.Namespace) -> int:
     result = train_mog(cfg, resume_command=resume_command(args))
     return print_last_row(result)
 
+# %% ../nbs/93_cli.ipynb #0d1e2c94
 def mog_eval_arguments(p: argparse.ArgumentParser) -> None:
     "The flags of `capsule-book eval mog`."
     eval_arguments(p, "mog")
@@ -366,10 +368,9 @@ def eval_mog_command(args: argparse.Namespace) -> int:
                       "batches": args.eval_batches, "seed": seed}))
     return 0
 
-# %% ../nbs/93_cli.ipynb #dc07ff8c
-def ccae_train_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of `capsule-book train ccae` (the official configuration by default);
-    benchmarks/ccae.py takes the same."""
+# %% ../nbs/93_cli.ipynb #5925ca8b
+def _ccae_optimiser_arguments(p: argparse.ArgumentParser) -> None:
+    "The optimiser's flags of `capsule-book train ccae`."
     p.add_argument("--batch-size", type=positive, default=32)
     p.add_argument("--lr", type=positive_float, default=1e-4)
     p.add_argument("--lr-decay", type=number(0.0, 1.0), default=1.0,
@@ -379,6 +380,10 @@ def ccae_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="run the model through torch.compile: the same function, faster steps "
                         "after a first one that compiles (about a minute on a CPU core)")
+
+# %% ../nbs/93_cli.ipynb #3725a65b
+def _ccae_model_arguments(p: argparse.ArgumentParser) -> None:
+    "The model's flags of `capsule-book train ccae`."
     p.add_argument("--dim", type=positive, default=128, help="encoder width (official 128)")
     p.add_argument("--n-layers", type=positive, default=4, help="encoder blocks (official 4)")
     p.add_argument("--n-heads", type=positive, default=4)
@@ -396,6 +401,10 @@ def ccae_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--template-init", type=positive_float, default=0.45,
                    help="half-width of the uniform initialisation of the static part poses "
                         "(official 0.45)")
+
+# %% ../nbs/93_cli.ipynb #41c96be6
+def _ccae_loss_arguments(p: argparse.ArgumentParser) -> None:
+    "The flags of `capsule-book train ccae` for the losses and Chapter 8b's changes."
     p.add_argument("--posterior-sparsity", type=non_negative, default=0.0,
                    help="weight of both posterior sparsity losses (official constellation run: 0)")
     p.add_argument("--prior-sparsity", type=non_negative, default=1.0,
@@ -416,6 +425,14 @@ def ccae_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--average", type=probability, default=0.0,
                    help="evaluate and end with a moving average of the weights, decay D per step "
                         "(official: none, 0)")
+
+# %% ../nbs/93_cli.ipynb #dc07ff8c
+def ccae_train_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `capsule-book train ccae` (the official configuration by default);
+    benchmarks/ccae.py takes the same."""
+    _ccae_optimiser_arguments(p)
+    _ccae_model_arguments(p)
+    _ccae_loss_arguments(p)
     p.add_argument("--eval-n", type=positive, default=2000,
                    help="fresh constellations per evaluation (default 2000)")
     run_arguments(p, "runs/ccae", 300_000, eval_every=10_000)
@@ -512,6 +529,7 @@ def scae_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="default $CAPSULE_BOOK_DATA, else ~/.cache/capsule_book")
     run_arguments(p, "runs/scae", 300_000, eval_every=10_000)
 
+# %% ../nbs/93_cli.ipynb #a168d1b8
 @register("train", "scae", scae_train_arguments,
           help="image Stacked Capsule Autoencoder (Kosiorek et al. 2019) on MNIST")
 def train_scae_command(args: argparse.Namespace) -> int:
@@ -542,6 +560,7 @@ def train_scae_command(args: argparse.Namespace) -> int:
         torch.set_flush_denormal(was_flushed)
     return print_last_row(result)
 
+# %% ../nbs/93_cli.ipynb #0b0842e6
 def scae_eval_arguments(p: argparse.ArgumentParser) -> None:
     "The flags of `capsule-book eval scae`."
     eval_arguments(p, "scae")

@@ -203,20 +203,25 @@ class TemplateDecoder(nn.Module):
         "The background's ink σ(b) and logit softplus(β), each [1]."
         return torch.sigmoid(self.bg_value), F.softplus(self.bg_logit)
 
-    def mixture(self, pose: Tensor, presence: Tensor, colour: Tensor) -> tuple[Tensor, Tensor]:
-        "Every component of Eq. (10.5): means and logits [B, N+1, H, W], the background last."
-        means, logits = self.components(pose, presence, colour)
-        B, H, W = means.shape[0], self.canvas, self.canvas
-        bg_mean, bg_logit = self.background()
-        return (torch.cat([means, bg_mean.expand(B, 1, H, W)], 1),
-                torch.cat([logits, bg_logit.expand(B, 1, H, W)], 1))
+# %% ../nbs/10_pcae.ipynb #3b1421ba
+def _template_decoder_mixture(self: TemplateDecoder, pose: Tensor, presence: Tensor,
+                              colour: Tensor) -> tuple[Tensor, Tensor]:
+    "Every component of Eq. (10.5): means and logits [B, N+1, H, W], the background last."
+    means, logits = self.components(pose, presence, colour)
+    B, H, W = means.shape[0], self.canvas, self.canvas
+    bg_mean, bg_logit = self.background()
+    return (torch.cat([means, bg_mean.expand(B, 1, H, W)], 1),
+            torch.cat([logits, bg_logit.expand(B, 1, H, W)], 1))
 
-    def forward(self, image: Tensor, pose: Tensor, presence: Tensor,
-                colour: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        "log p(image) [B] (Eq. 10.5), and the templates' means and logits [B, N, H, W]."
-        means, logits = self.components(pose, presence, colour)
-        return (pixel_mixture_log_likelihood(image, means, logits, *self.background()),
-                means, logits)
+def _template_decoder_forward(self: TemplateDecoder, image: Tensor, pose: Tensor,
+                              presence: Tensor, colour: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    "log p(image) [B] (Eq. 10.5), and the templates' means and logits [B, N, H, W]."
+    means, logits = self.components(pose, presence, colour)
+    return (pixel_mixture_log_likelihood(image, means, logits, *self.background()),
+            means, logits)
+
+TemplateDecoder.mixture = _template_decoder_mixture
+TemplateDecoder.forward = _template_decoder_forward
 
 def mixture_mode(means: Tensor, logits: Tensor) -> Tensor:
     "The ink of each pixel's most probable component: [B, C, H, W] -> [B, 1, H, W]."

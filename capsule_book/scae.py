@@ -60,6 +60,7 @@ class PresenceSAB(nn.Module):
         H = self.ln0((X + M) * presence[..., None])
         return self.ln1(H + self.rff(H))
 
+# %% ../nbs/11_ocae.ipynb #ba8dd020
 class PartSetEncoder(nn.Module):
     """h^caps of the OCAE: Linear(dim_in -> dim), PresenceSABs, Linear(dim -> dim_out), and K
     learned queries that read the parts: parts [B, N, dim_in], presences [B, N] ->
@@ -139,19 +140,24 @@ class SCAEConfig:
     prior_within_constant: Optional[float] = None    # None: K/n_cls
 
     def __post_init__(self):
-        if self.presence_mask not in ("official", "log"):
-            raise ValueError("presence_mask must be 'official' or 'log', got "
-                             f"{self.presence_mask!r}")
-        for name in ("canvas", "n_parts", "template_size", "n_objects", "n_object_params",
-                     "n_hidden", "set_dim", "set_layers", "set_heads", "set_out", "n_classes"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        for name in ("part_noise", "object_noise", "part_ll_weight", "dynamic_l2", "prior_within",
-                     "prior_between", "posterior_within", "posterior_between"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        check_background(self.background)
+        _check_scae_config(self)
+
+# %% ../nbs/11_ocae.ipynb #d3be7072
+def _check_scae_config(cfg: SCAEConfig) -> None:
+    "Refuse an unknown mask, a size below 1, and a noise or a weight below 0 or not finite."
+    if cfg.presence_mask not in ("official", "log"):
+        raise ValueError("presence_mask must be 'official' or 'log', got "
+                         f"{cfg.presence_mask!r}")
+    for name in ("canvas", "n_parts", "template_size", "n_objects", "n_object_params",
+                 "n_hidden", "set_dim", "set_layers", "set_heads", "set_out", "n_classes"):
+        if int(getattr(cfg, name)) < 1:
+            raise ValueError(f"{name} must be a positive integer, got {getattr(cfg, name)!r}")
+    for name in ("part_noise", "object_noise", "part_ll_weight", "dynamic_l2", "prior_within",
+                 "prior_between", "posterior_within", "posterior_between"):
+        value = getattr(cfg, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    check_background(cfg.background)
 
 # %% ../nbs/11_ocae.ipynb #a4e913cc
 class SCAEOutput(NamedTuple):
@@ -173,6 +179,7 @@ class SCAEOutput(NamedTuple):
     image_log_likelihood: Tensor # [B], log p(y)
     part_log_likelihood: Tensor  # [B], Eq. (11.2)
 
+# %% ../nbs/11_ocae.ipynb #62a9fd63
 class SCAE(nn.Module):
     """The Stacked Capsule Autoencoder for images (Kosiorek et al. 2019): the PCAE of Chapter 10
     and the OCAE; images [B, 1, canvas, canvas] in [0, 1] -> SCAEOutput."""
@@ -223,24 +230,35 @@ def _scae_forward(self: SCAE, images: Tensor) -> SCAEOutput:
     a = v.log_a.exp()                                                      # a_k a_k,n: [B, K, N]
     u = a.max(-1).values                                                   # [B, K]
     mass = post.sum(1)                                                     # [B, K]
+    loss, losses = _scae_loss(cfg, image_ll, part_ll, v.op_dynamic, u, mass, post, B)  # Eq. (11.3)
+    means = logits = rec = None                       # the whole mixture: for evaluation only
+    if not self.training: means, logits, rec = _scae_mixture(self, ink, alpha)
+    return SCAEOutput(loss, losses, u, mass, x, d, z, c, means, logits, rec, post, votes, a,
+                      image_ll, part_ll)
+
+SCAE.forward = _scae_forward
+
+# %% ../nbs/11_ocae.ipynb #10563834
+def _scae_loss(cfg: SCAEConfig, image_ll: Tensor, part_ll: Tensor, op_dynamic: Tensor,
+               u: Tensor, mass: Tensor, post: Tensor, B: int) -> tuple[Tensor, dict]:
+    "The loss of Eq. (11.3) [], and its terms before their weights."
     losses = {"image_nll": -image_ll.mean(), "part_nll": -part_ll.mean(),
-              "dynamic_l2": 0.5 * v.op_dynamic.pow(2).sum() / B,
+              "dynamic_l2": 0.5 * op_dynamic.pow(2).sum() / B,
               **sparsity_losses(u, mass / post.shape[1], cfg.n_classes, cfg.prior_within_constant)}
     loss = (losses["image_nll"] + cfg.part_ll_weight * losses["part_nll"]    # Eq. (11.3)
             + sum(getattr(cfg, k) * losses[k] for k in ("dynamic_l2", "prior_within",
                                                         "prior_between", "posterior_within",
                                                         "posterior_between")))
-    means = logits = rec = None                       # the whole mixture: for evaluation only
-    if not self.training:
-        bg_mean, bg_logit = self.decoder.background()
-        B_, H, W = ink.shape[0], cfg.canvas, cfg.canvas
-        means = torch.cat([ink, bg_mean.expand(B_, 1, H, W)], 1)
-        logits = torch.cat([alpha, bg_logit.expand(B_, 1, H, W)], 1)
-        rec = mixture_mode(means, logits)
-    return SCAEOutput(loss, losses, u, mass, x, d, z, c, means, logits, rec, post, votes, a,
-                      image_ll, part_ll)
+    return loss, losses
 
-SCAE.forward = _scae_forward
+def _scae_mixture(self: SCAE, ink: Tensor, alpha: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    "The image mixture's means and logits [B, N+1, H, W], the background last, and its mode."
+    cfg = self.config
+    bg_mean, bg_logit = self.decoder.background()
+    B_, H, W = ink.shape[0], cfg.canvas, cfg.canvas
+    means = torch.cat([ink, bg_mean.expand(B_, 1, H, W)], 1)
+    logits = torch.cat([alpha, bg_logit.expand(B_, 1, H, W)], 1)
+    return means, logits, mixture_mode(means, logits)
 
 # %% ../nbs/11_ocae.ipynb #a874fbac
 def scae_task(model: SCAE, batch_size: int = 128, lr: float = 3e-5, optimizer: str = "rmsprop",
@@ -283,6 +301,7 @@ def scae_task(model: SCAE, batch_size: int = 128, lr: float = 3e-5, optimizer: s
                 evaluate=lambda m: evaluate_scae(m, ev_train, ev_test, n_init=3),
                 resume_command=resume_command or "train_scae(..., resume=True)", average=average)
 
+# %% ../nbs/11_ocae.ipynb #1af21e9c
 def train_scae(model: SCAE, steps: int, out: Optional[Union[str, os.PathLike]] = None,
                resume: bool = False, max_minutes: Optional[float] = None,
                checkpoint_every: int = 2000, checkpoint_minutes: float = 10.0, log_every: int = 100,
@@ -330,6 +349,7 @@ def _hungarian(pred: np.ndarray, labels: np.ndarray, n: int) -> tuple[np.ndarray
     to_label = np.empty(n, dtype=int); to_label[cols] = rows
     return to_label, float(counts[rows, cols].sum() / len(labels))
 
+# %% ../nbs/11_ocae.ipynb #aab9fd65
 def kmeans_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
                     test_y: np.ndarray, n_classes: int = 10, n_init: int = 10,
                     seed: int = 0) -> dict:
@@ -388,6 +408,7 @@ def plot_scae_parts(out: SCAEOutput, images: Tensor, n_examples: int = 6,
     fig.tight_layout()
     return fig
 
+# %% ../nbs/11_ocae.ipynb #1099a23c
 def plot_object_capsules(out: SCAEOutput, images: Tensor, i: int = 0, top: int = 4):
     """Image i, its object presences â_k, and for the `top` most present capsules the parts each
     explains best (p(k | x_n) weighted by δ_n). Returns the Figure."""
@@ -412,6 +433,7 @@ def plot_object_capsules(out: SCAEOutput, images: Tensor, i: int = 0, top: int =
     fig.tight_layout()
     return fig
 
+# %% ../nbs/11_ocae.ipynb #06053201
 def plot_tsne_confusion(features: np.ndarray, labels: np.ndarray, predicted: np.ndarray,
                         n_classes: int = 10, seed: int = 0):
     "Left: t-SNE of the features coloured by label; right: the confusion matrix; the Figure."

@@ -322,6 +322,252 @@ def _postfix(running: dict, n: int, last_eval: dict) -> dict:
     shown.update({k: f"{v:.4g}" for k, v in list(last_eval.items())[:1] if isinstance(v, float)})
     return shown
 
+# %% ../nbs/92_train.ipynb #9aa23b25
+def _check_fit(task: Task, steps: int, max_minutes: Optional[float], checkpoint_every: int,
+               log_every: int, eval_every: int, world: int) -> None:
+    "Refuse the settings `fit` cannot run with, each with a one-line `UserError`."
+    if steps < 0 or log_every < 1 or checkpoint_every < 1 or eval_every < 0:
+        raise UserError("steps must be >= 0 and log_every, checkpoint_every >= 1, eval_every >= "
+                        f"0; got {steps}, {log_every}, {checkpoint_every}, {eval_every}")
+    if max_minutes is not None and not 0 < max_minutes < math.inf:
+        raise UserError(f"max_minutes must be positive, got {max_minutes}")
+    if world > 1 and not task.ddp: raise UserError(f"{task.name} does not train under torchrun")
+    if not 0 <= task.average < 1: raise UserError(f"average must lie in [0, 1), got {task.average}")
+
+# %% ../nbs/92_train.ipynb #3135ad12
+class _Run:
+    """The state of one `fit` call: the step, the clock, the running sums, the weight average,
+    the metrics rows and the checkpoint on disk, which the loop moves on and a checkpoint saves."""
+    def __init__(self, task: Task, steps: int, out: Optional[Union[str, os.PathLike]],
+                 resume: bool, rank: int, world: int):
+        self.task, self.steps, self.rank, self.world = task, steps, rank, world
+        self.device = device = next(task.model.parameters()).device
+        self.model, self.opt = model, opt = task.model, task.optimizer
+        ck, history = (open_run(task, out, resume, device) if rank == 0 or out is None
+                       else (None, []))
+        # every rank resumes from rank 0's checkpoint
+        if world > 1 and out is not None:
+            box = [ck, history]; dist.broadcast_object_list(box, src=0); ck, history = box
+        self.ck, self.history = ck, history
+        self.run = run = Path(out) if out is not None and rank == 0 else None
+        # refuses a file or a read-only place; a killed writer's temporary files go
+        self.made = make_run_folder(run) if run is not None else False
+        if run is not None: remove_stale_temporaries(run)
+        self.step, self.elapsed, self.running, self.n_running = 0, 0.0, {}, 0
+        # the moving average of the weights, {name: tensor}, starting at the initial weights
+        self.average = ({k: v.detach().clone() for k, v in model.state_dict().items()
+                         if v.is_floating_point()} if task.average else None)
+        if ck is not None: self.resume_from(ck)
+        if self.average is not None:
+            # the model's tensors, once: loading a state dict copies into them in place
+            state = model.state_dict()
+            self.avg_tensors = list(self.average.values())
+            self.live_tensors = [state[k] for k in self.average]
+        last = next((r for r in reversed(history) if any(k.startswith("eval_") for k in r)), {})
+        self.last_eval = {k: v for k, v in last.items() if k.startswith("eval_")}
+        # the step of the checkpoint in `run` (None: none yet)
+        self.saved = None if ck is None else ck["step"]
+
+# %% ../nbs/92_train.ipynb #58530dc0
+def _run_resume_from(self: _Run, ck: dict) -> None:
+    "Put the state checkpoint `ck` holds back in the model, the optimiser, the stream and the run."
+    self.model.load_state_dict(ck["model"]); self.opt.load_state_dict(ck["optimizer"])
+    if self.average is not None:
+        self.average = {k: v.to(self.device) for k, v in ck["average"].items()}
+    self.task.stream.load_state_dict(ck["stream"]); set_rng_state(ck["rng"])
+    self.step, self.elapsed, self.running, self.n_running = (ck["step"], ck["elapsed"],
+                                                             ck["running"], ck["n_running"])
+
+_Run.resume_from = _run_resume_from
+
+# %% ../nbs/92_train.ipynb #b7f2350b
+def _run_kept(self: _Run) -> str:
+    "What the run leaves to continue from, for a message."
+    if self.run is None: return "nothing was saved (no folder)"
+    if self.saved is None: return "no checkpoint had been written, so nothing was kept"
+    return f"the last checkpoint, {self.run / 'last.pt'} at step {self.saved} (finite), is kept"
+
+def _run_checkpoint(self: _Run) -> None:
+    "Write the run's state to last.pt (with a folder), unless a weight is NaN or infinite."
+    if self.run is None: return
+    # a finite checkpoint is never replaced by a NaN one
+    if not _finite([*self.model.state_dict().values(), *(self.average or {}).values()]):
+        raise NonFiniteLoss(f"the weights became NaN or infinite by step {self.step} of "
+                            f"{self.steps} while the loss stayed finite (a gradient overflowed); "
+                            f"{self.kept()}")
+    save_checkpoint({"task": self.task.name, "config": self.task.config, "step": self.step,
+                     "model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                     "stream": self.task.stream.state_dict(), "rng": rng_state(),
+                     "elapsed": self.elapsed, "running": self.running,
+                     "n_running": self.n_running,
+                     **({"average": self.average} if self.average is not None else {})},
+                    self.run / "last.pt")
+    self.saved = self.step
+
+_Run.kept, _Run.checkpoint = _run_kept, _run_checkpoint
+
+# %% ../nbs/92_train.ipynb #3ea61377
+def _run_averaged(self: _Run, f: Callable[[], Any]) -> Any:
+    "f() with the averaged weights in the model, the trained ones put back after."
+    if self.average is None: return f()
+    live = {k: v.clone() for k, v in self.model.state_dict().items()}
+    self.model.load_state_dict(self.average, strict=False)
+    try: return f()
+    finally: self.model.load_state_dict(live)
+
+def _run_log(self: _Run, row: dict) -> None:
+    "Add `row` to the run's metrics rows, and to its metrics.jsonl."
+    self.history.append(row)
+    if self.run is not None:
+        with open(self.run / "metrics.jsonl", "a") as f: f.write(json.dumps(row) + "\n")
+
+_Run.averaged, _Run.log = _run_averaged, _run_log
+
+# %% ../nbs/92_train.ipynb #92f9aeb4
+def _run_start(self: _Run, progress: bool, eval_every: int) -> None:
+    "Before the first step: the metrics file cut back, the clock and the progress bar started."
+    run = self.run
+    # the metrics file, cut back to the checkpoint's step
+    if run is not None and (self.history or (run / "metrics.jsonl").exists()):
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.history))
+    self.t_start = self.t_ckpt = time.time()
+    self.cost = {"step": 0.0, "eval": 0.0, "checkpoint": 0.0}  # the last duration of each, in s
+    self.stopped = self.interrupted = False
+    self.doing = None                                          # the step under way
+    self.eval_every = eval_every
+    self.bar = _bar(self.steps, self.step, progress and self.rank == 0, self.task.name)
+    self.model.train()
+
+def _run_eval_due(self: _Run, s: int) -> bool:
+    "Whether the task is evaluated after step `s`."
+    return self.task.evaluate is not None and ((self.eval_every and s % self.eval_every == 0)
+                                               or s == self.steps)
+
+_Run.start, _Run.eval_due = _run_start, _run_eval_due
+
+# %% ../nbs/92_train.ipynb #fa2d0da6
+def _run_stops(self: _Run, stop_at: Optional[int], max_minutes: Optional[float],
+               interrupt: _Interrupt) -> bool:
+    "Whether the run stops before the next step; `stopped` and `interrupted` say why."
+    if stop_at is not None and self.step >= stop_at:
+        self.stopped = True
+        return True
+    late = False
+    if max_minutes is not None:
+        cost = self.cost
+        need = cost["step"] + cost["checkpoint"] + (cost["eval"] if self.eval_due(self.step + 1)
+                                                    else 0.0)
+        late = time.time() + need > self.t_start + 60 * max_minutes
+    # decided by all ranks together
+    late, self.interrupted = _anywhere([late, interrupt.requested], self.world, self.device)
+    if late or self.interrupted:
+        self.stopped = late
+        return True
+    return False
+
+_Run.stops = _run_stops
+
+# %% ../nbs/92_train.ipynb #0c23a5da
+def _run_train_step(self: _Run, net: nn.Module) -> None:
+    "One optimiser step on the next batch, its numbers added to the running sums."
+    task, opt = self.task, self.opt
+    t0, self.doing = time.time(), self.step + 1
+    # η(s), a pure function of s
+    for group in opt.param_groups: group["lr"] = task.lr(self.step)
+    loss, numbers = task.loss(net, next(task.stream))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    if self.average is not None:
+        with torch.no_grad():
+            # w̄ ← d·w̄ + (1 − d)·w, in place
+            torch._foreach_lerp_(self.avg_tensors, self.live_tensors, 1 - task.average)
+    self.step += 1
+    values = {k: float(v) for k, v in {"loss": loss.detach(), **numbers}.items()}
+    if _anywhere([not math.isfinite(values["loss"])], self.world, self.device)[0]:
+        terms = ", ".join(f"{k}={v:.4g}" for k, v in values.items())
+        raise NonFiniteLoss(f"the loss became NaN or infinite at step {self.step} of "
+                            f"{self.steps} ({terms}); the run stopped: {self.kept()}")
+    for k, v in values.items(): self.running[k] = self.running.get(k, 0.0) + v
+    self.n_running += 1
+    self.cost["step"] = time.time() - t0
+    self.elapsed += self.cost["step"]
+    self.bar.update(1)
+
+_Run.train_step = _run_train_step
+
+# %% ../nbs/92_train.ipynb #a770fb8b
+def _run_log_row(self: _Run, log_every: int) -> None:
+    "The metrics row of this step, if one is due, with the evaluation's scores if that is due."
+    step, task = self.step, self.task
+    if not (step % log_every == 0 or step == self.steps or self.eval_due(step)): return
+    row = {"step": step, **getattr(task.stream, "progress", dict)(), "lr": task.lr(step - 1),
+           **{k: v / self.n_running for k, v in self.running.items()},
+           "elapsed_s": round(self.elapsed, 2)}
+    if self.eval_due(step):
+        t0 = time.time()
+        scores = self.averaged(lambda: task.evaluate(self.model))
+        self.last_eval = {f"eval_{k}": v for k, v in scores.items()}
+        self.model.train()
+        self.cost["eval"] = time.time() - t0
+        row.update(self.last_eval)
+    if self.rank == 0: self.log(row)
+    self.bar.set_postfix(_postfix(self.running, self.n_running, self.last_eval), refresh=False)
+    self.running, self.n_running = {}, 0
+
+def _run_checkpoint_due(self: _Run, checkpoint_every: int, checkpoint_minutes: float) -> None:
+    "The checkpoint of this step, if one is due, timed for `max_minutes`."
+    if (self.step % checkpoint_every == 0 or time.time() - self.t_ckpt > 60 * checkpoint_minutes
+        or self.step == self.steps):
+        t0 = time.time(); self.checkpoint(); self.cost["checkpoint"] = time.time() - t0
+        self.t_ckpt = time.time()
+
+_Run.log_row, _Run.checkpoint_due = _run_log_row, _run_checkpoint_due
+
+# %% ../nbs/92_train.ipynb #1a130555
+def _run_end(self: _Run) -> None:
+    "After the loop: the checkpoint of a stopped or interrupted run; `Interrupted` for the latter."
+    self.bar.close()
+    step, ck = self.step, self.ck
+    # (interrupted before a step was taken since the start or resume: nothing new to save)
+    if (self.stopped or (ck is not None and step == ck["step"])
+        or (self.interrupted and step != (self.saved or 0))):
+        self.checkpoint()
+    if self.interrupted:
+        raise Interrupted(f"interrupted at step {step} of {self.steps}")
+
+def _run_failure(self: _Run, e: BaseException) -> Optional[BaseException]:
+    """What a run that ended with `e` says and removes; the error to raise from `e` in its place
+    (None: `e` itself)."""
+    self.bar.close()
+    step, steps, run, saved = self.step, self.steps, self.run, self.saved
+    failure = _failed_step(e, self.doing, steps, self.model, self.kept()) if self.doing else None
+    if isinstance(e, KeyboardInterrupt) and self.rank == 0:
+        print(f"interrupted at step {step} of {steps}; " + (
+            f"{run / 'last.pt'} holds step {saved}: continue with `{self.task.resume_command}`"
+            if saved is not None and run is not None else "nothing was saved"), flush=True)
+    # nothing to continue from: nothing left to block the same command
+    if run is not None and saved is None: _forget(run, self.made)
+    if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
+        return Interrupted(f"interrupted at step {step} of {steps}")
+    return failure
+
+_Run.end, _Run.failure = _run_end, _run_failure
+
+# %% ../nbs/92_train.ipynb #11fde67d
+def _run_result(self: _Run) -> RunResult:
+    "What `fit` returns, once a stopped run has said how to continue."
+    step, steps = self.step, self.steps
+    if self.stopped and self.rank == 0:
+        print(f"stopped at step {step} of {steps}; continue with `{self.task.resume_command}`",
+              flush=True)
+    # a finished run's model is its average
+    if self.average is not None and step >= steps:
+        self.model.load_state_dict(self.average, strict=False)
+    return RunResult(self.model, self.history, step, step >= steps)
+
+_Run.result = _run_result
+
 # %% ../nbs/92_train.ipynb #2cb01f5f
 def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, resume: bool = False,
         max_minutes: Optional[float] = None, checkpoint_every: int = 1000,
@@ -331,171 +577,23 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
     """Train `task` to `steps` optimiser steps in all, in `out` (checkpoints, metrics.jsonl),
     resuming it if `resume`; `stop_at` stops early as `max_minutes` (minutes of this call's
     training loop) does. A NaN loss raises `NonFiniteLoss`, Ctrl-C `Interrupted` (checkpointed)."""
-    if steps < 0 or log_every < 1 or checkpoint_every < 1 or eval_every < 0:
-        raise UserError("steps must be >= 0 and log_every, checkpoint_every >= 1, eval_every >= "
-                        f"0; got {steps}, {log_every}, {checkpoint_every}, {eval_every}")
-    if max_minutes is not None and not 0 < max_minutes < math.inf:
-        raise UserError(f"max_minutes must be positive, got {max_minutes}")
-    if world > 1 and not task.ddp: raise UserError(f"{task.name} does not train under torchrun")
-    if not 0 <= task.average < 1: raise UserError(f"average must lie in [0, 1), got {task.average}")
-    device = next(task.model.parameters()).device
-    model, opt = task.model, task.optimizer
-    ck, history = open_run(task, out, resume, device) if rank == 0 or out is None else (None, [])
-    # every rank resumes from rank 0's checkpoint
-    if world > 1 and out is not None:
-        box = [ck, history]; dist.broadcast_object_list(box, src=0); ck, history = box
-    run = Path(out) if out is not None and rank == 0 else None
-    # refuses a file or a read-only place; a killed writer's temporary files go
-    made = make_run_folder(run) if run is not None else False
-    if run is not None: remove_stale_temporaries(run)
-    step, elapsed, running, n_running = 0, 0.0, {}, 0
-    # the moving average of the weights, {name: tensor}, starting at the initial weights
-    average = ({k: v.detach().clone() for k, v in model.state_dict().items()
-                if v.is_floating_point()} if task.average else None)
-    if ck is not None:
-        model.load_state_dict(ck["model"]); opt.load_state_dict(ck["optimizer"])
-        if average is not None: average = {k: v.to(device) for k, v in ck["average"].items()}
-        task.stream.load_state_dict(ck["stream"]); set_rng_state(ck["rng"])
-        step, elapsed, running, n_running = (ck["step"], ck["elapsed"], ck["running"],
-                                             ck["n_running"])
-    if average is not None:
-        # the model's tensors, once: loading a state dict copies into them in place
-        state = model.state_dict()
-        avg_tensors, live_tensors = list(average.values()), [state[k] for k in average]
-    net = nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    last_eval = next((r for r in reversed(history) if any(k.startswith("eval_") for k in r)), {})
-    last_eval = {k: v for k, v in last_eval.items() if k.startswith("eval_")}
-    # the step of the checkpoint in `run` (None: none yet)
-    saved = None if ck is None else ck["step"]
-
-    def kept() -> str:
-        "What the run leaves to continue from, for a message."
-        if run is None: return "nothing was saved (no folder)"
-        if saved is None: return "no checkpoint had been written, so nothing was kept"
-        return f"the last checkpoint, {run / 'last.pt'} at step {saved} (finite), is kept"
-
-    def checkpoint():
-        nonlocal saved
-        if run is None: return
-        # a finite checkpoint is never replaced by a NaN one
-        if not _finite([*model.state_dict().values(), *(average or {}).values()]):
-            raise NonFiniteLoss(f"the weights became NaN or infinite by step {step} of {steps} "
-                                f"while the loss stayed finite (a gradient overflowed); {kept()}")
-        save_checkpoint({"task": task.name, "config": task.config, "step": step,
-                         "model": model.state_dict(), "optimizer": opt.state_dict(),
-                         "stream": task.stream.state_dict(), "rng": rng_state(), "elapsed": elapsed,
-                         "running": running, "n_running": n_running,
-                         **({"average": average} if average is not None else {})}, run / "last.pt")
-        saved = step
-
-    def averaged(f: Callable[[], Any]) -> Any:
-        "f() with the averaged weights in the model, the trained ones put back after."
-        if average is None: return f()
-        live = {k: v.clone() for k, v in model.state_dict().items()}
-        model.load_state_dict(average, strict=False)
-        try: return f()
-        finally: model.load_state_dict(live)
-
-    def log(row: dict):
-        history.append(row)
-        if run is not None:
-            with open(run / "metrics.jsonl", "a") as f: f.write(json.dumps(row) + "\n")
-
-    # the metrics file, cut back to the checkpoint's step
-    if run is not None and (history or (run / "metrics.jsonl").exists()):
-        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
-    t_start = t_ckpt = time.time()
-    cost = {"step": 0.0, "eval": 0.0, "checkpoint": 0.0}   # the last duration of each, in seconds
-    stopped = interrupted = False
-    doing = None                                          # the step under way
-    bar = _bar(steps, step, progress and rank == 0, task.name)
-    model.train()
-    eval_due = lambda s: task.evaluate is not None and ((eval_every and s % eval_every == 0)
-                                                        or s == steps)
+    _check_fit(task, steps, max_minutes, checkpoint_every, log_every, eval_every, world)
+    r = _Run(task, steps, out, resume, rank, world)
+    net = nn.parallel.DistributedDataParallel(r.model) if world > 1 else r.model
+    r.start(progress, eval_every)
     try:
         with _Interrupt(out is not None) as interrupt:
-            while step < steps:
-                if stop_at is not None and step >= stop_at:
-                    stopped = True
-                    break
-                late = False
-                if max_minutes is not None:
-                    need = (cost["step"] + cost["checkpoint"]
-                            + (cost["eval"] if eval_due(step + 1) else 0.0))
-                    late = time.time() + need > t_start + 60 * max_minutes
-                # decided by all ranks together
-                late, interrupted = _anywhere([late, interrupt.requested], world, device)
-                if late or interrupted:
-                    stopped = late
-                    break
-                t0, doing = time.time(), step + 1
-                # η(s), a pure function of s
-                for group in opt.param_groups: group["lr"] = task.lr(step)
-                loss, numbers = task.loss(net, next(task.stream))
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                if average is not None:
-                    with torch.no_grad():
-                        # w̄ ← d·w̄ + (1 − d)·w, in place
-                        torch._foreach_lerp_(avg_tensors, live_tensors, 1 - task.average)
-                step += 1
-                values = {k: float(v) for k, v in {"loss": loss.detach(), **numbers}.items()}
-                if _anywhere([not math.isfinite(values["loss"])], world, device)[0]:
-                    terms = ", ".join(f"{k}={v:.4g}" for k, v in values.items())
-                    raise NonFiniteLoss(f"the loss became NaN or infinite at step {step} of "
-                                        f"{steps} ({terms}); the run stopped: {kept()}")
-                for k, v in values.items(): running[k] = running.get(k, 0.0) + v
-                n_running += 1
-                cost["step"] = time.time() - t0
-                elapsed += cost["step"]
-                bar.update(1)
-                if step % log_every == 0 or step == steps or eval_due(step):
-                    row = {"step": step, **getattr(task.stream, "progress", dict)(),
-                           "lr": task.lr(step - 1),
-                           **{k: v / n_running for k, v in running.items()},
-                           "elapsed_s": round(elapsed, 2)}
-                    if eval_due(step):
-                        t0 = time.time()
-                        scores = averaged(lambda: task.evaluate(model))
-                        last_eval = {f"eval_{k}": v for k, v in scores.items()}
-                        model.train()
-                        cost["eval"] = time.time() - t0
-                        row.update(last_eval)
-                    if rank == 0: log(row)
-                    bar.set_postfix(_postfix(running, n_running, last_eval), refresh=False)
-                    running, n_running = {}, 0
-                if (step % checkpoint_every == 0 or time.time() - t_ckpt > 60 * checkpoint_minutes
-                    or step == steps):
-                    t0 = time.time(); checkpoint(); cost["checkpoint"] = time.time() - t0
-                    t_ckpt = time.time()
-            doing = None
-        bar.close()
-        # (interrupted before a step was taken since the start or resume: nothing new to save)
-        if (stopped or (ck is not None and step == ck["step"])
-            or (interrupted and step != (saved or 0))):
-            checkpoint()
-        if interrupted:
-            raise Interrupted(f"interrupted at step {step} of {steps}")
+            while r.step < steps and not r.stops(stop_at, max_minutes, interrupt):
+                r.train_step(net)
+                r.log_row(log_every)
+                r.checkpoint_due(checkpoint_every, checkpoint_minutes)
+            r.doing = None
+        r.end()
     except BaseException as e:
-        bar.close()
-        failure = _failed_step(e, doing, steps, model, kept()) if doing else None
-        if isinstance(e, KeyboardInterrupt) and rank == 0:
-            print(f"interrupted at step {step} of {steps}; " + (
-                f"{run / 'last.pt'} holds step {saved}: continue with `{task.resume_command}`"
-                if saved is not None and run is not None else "nothing was saved"), flush=True)
-        # nothing to continue from: nothing left to block the same command
-        if run is not None and saved is None: _forget(run, made)
-        if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
-            raise Interrupted(f"interrupted at step {step} of {steps}") from e
+        failure = r.failure(e)
         if failure is not None: raise failure from e
         raise
-    if stopped and rank == 0:
-        print(f"stopped at step {step} of {steps}; continue with `{task.resume_command}`",
-              flush=True)
-    # a finished run's model is its average
-    if average is not None and step >= steps: model.load_state_dict(average, strict=False)
-    return RunResult(model, history, step, step >= steps)
+    return r.result()
 
 # %% ../nbs/92_train.ipynb #5e65cc4f
 class _Interrupt:

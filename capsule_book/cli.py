@@ -16,9 +16,10 @@ __all__ = ['COMMANDS', 'finite', 'non_negative', 'probability', 'register', 'Par
            'positive', 'non_negative_int', 'positive_float', 'number', 'device', 'run_arguments', 'print_last_row',
            'run_settings', 'resume_command', 'eval_arguments', 'load_for_eval', 'capsnet_train_arguments',
            'train_capsnet_command', 'capsnet_eval_arguments', 'eval_capsnet_command', 'mog_train_arguments',
-           'train_mog_command', 'mog_eval_arguments', 'eval_mog_command', 'ccae_train_arguments', 'ccae_from_args',
-           'ccae_train_settings', 'train_ccae_command', 'ccae_eval_arguments', 'eval_ccae_command',
-           'scae_train_arguments', 'train_scae_command', 'scae_eval_arguments', 'eval_scae_command']
+           'cnn_train_arguments', 'train_cnn_command', 'train_mog_command', 'mog_eval_arguments', 'eval_mog_command',
+           'ccae_train_arguments', 'ccae_from_args', 'ccae_train_settings', 'train_ccae_command', 'ccae_eval_arguments',
+           'eval_ccae_command', 'scae_train_arguments', 'train_scae_command', 'scae_eval_arguments',
+           'eval_scae_command']
 
 # %% ../nbs/93_cli.ipynb #642e09a9
 COMMANDS: dict[str, dict[str, tuple[Callable, Callable, str]]] = {"train": {}, "eval": {}}
@@ -247,6 +248,9 @@ def capsnet_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="back-propagate through every routing iteration (official code)")
     p.add_argument("--routing-bias", type=finite, default=None,
                    help="add a learned bias to s_j, from this value (official code: 0.1)")
+    p.add_argument("--canvas", type=int, choices=[40], default=None,
+                   help="40: the expanded MNIST of Chapter 4b (digits at random places on a "
+                        "40x40 canvas) instead of MNIST with 2-pixel shifts")
     p.add_argument("--limit-train", type=positive, default=None,
                    help="train on the first N digits only")
     p.add_argument("--limit-test", type=positive, default=None,
@@ -267,7 +271,7 @@ def train_capsnet_command(args: argparse.Namespace) -> int:
                       routing_iterations=args.routing_iterations, lr=args.lr,
                       recon_weight=args.recon_weight, w_std=args.w_std,
                       detach_intermediate=not args.full_gradient, routing_bias=args.routing_bias,
-                      limit_train=args.limit_train,
+                      canvas=args.canvas, limit_train=args.limit_train,
                       limit_test=args.limit_test, sample=args.sample, seed=args.seed,
                       device=args.device, data_root=args.data_root,
                       eval_every=args.eval_every or None, **run_settings(args))
@@ -322,6 +326,34 @@ def mog_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-batches", type=positive, default=100,
                    help="held-out batches of 10 sets (default 100)")
     run_arguments(p, "runs/mog", 50_000, eval_every=1000)
+
+# %% ../nbs/93_cli.ipynb #9a37557b
+def cnn_train_arguments(p: argparse.ArgumentParser) -> None:
+    "The flags of `capsule-book train cnn` (Chapter 4b's baseline on the expanded MNIST)."
+    p.add_argument("--epochs", type=positive, default=1,
+                   help="length of the run when --steps is not given (default 1)")
+    p.add_argument("--batch-size", type=positive, default=128, help="per process (default 128)")
+    p.add_argument("--lr", type=positive_float, default=1e-3)
+    p.add_argument("--dropout", type=probability, default=0.5, help="default 0.5")
+    p.add_argument("--limit-train", type=positive, default=None)
+    p.add_argument("--limit-test", type=positive, default=None)
+    p.add_argument("--sample", action="store_true",
+                   help="the MNIST sample shipped with the package (2,000/1,000)")
+    p.add_argument("--data-root", default=None,
+                   help="default $CAPSULE_BOOK_DATA, else ~/.cache/capsule_book")
+    run_arguments(p, "runs/cnn", None)
+
+@register("train", "cnn", cnn_train_arguments,
+          help="the CNN baseline of Sabour et al. on the expanded MNIST (Chapter 4b)")
+def train_cnn_command(args: argparse.Namespace) -> int:
+    "`capsule-book train cnn`: train (or resume) through the engine; print the last metrics row."
+    from capsule_book.robustness import CNNConfig, train_cnn
+    cfg = CNNConfig(epochs=args.epochs, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                    dropout=args.dropout, limit_train=args.limit_train,
+                    limit_test=args.limit_test, sample=args.sample, seed=args.seed,
+                    device=args.device, data_root=args.data_root,
+                    eval_every=args.eval_every or None, **run_settings(args))
+    return print_last_row(train_cnn(cfg, resume_command=resume_command(args)))
 
 # %% ../nbs/93_cli.ipynb #aa1677ce
 @register("train", "mog", mog_train_arguments,

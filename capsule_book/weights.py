@@ -155,8 +155,12 @@ def _scae(config: dict) -> nn.Module:
     from capsule_book.scae import SCAE
     return SCAE(config["model"])
 
+def _cnn(config: dict) -> nn.Module:
+    from capsule_book.robustness import BaselineCNN
+    return BaselineCNN(config["canvas"], pool=config["pool"], dropout=config["dropout"])
+
 BUILDERS: dict[str, Callable[[dict], nn.Module]] = {"capsnet": _capsnet, "mog": _mog, "ccae": _ccae,
-                                                    "scae": _scae}
+                                                    "scae": _scae, "cnn": _cnn}
 
 def load(name: str, device: Union[str, torch.device] = "cpu",
          folder: Optional[Union[str, os.PathLike]] = None, download: bool = True) -> nn.Module:

@@ -2,6 +2,8 @@
 (Eq. B.2): the transformations' ranges hold on 10,000 draws, every digit keeps its label and all its ink, the
 recorded parameters are the ones applied, and the geometry's directions are right. Uses the MNIST sample shipped
 with the package."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -119,3 +121,28 @@ def test_capsnet_on_the_40x40_canvas_keeps_the_contract():
     # a run's configuration without `canvas` (every run before it existed) is the 28x28 network
     old = {k: v for k, v in config.items() if k != "canvas"}
     assert capsnet_from_config(old).image_size == 28
+
+
+def test_train_cnn_command_runs_resumes_and_its_weights_build(tmp_path, capsys):
+    import json
+    from capsule_book.cli import main
+    from capsule_book.train import load_checkpoint
+    from capsule_book.weights import BUILDERS
+    out = tmp_path / "cnn"
+    tiny = ["--sample", "--batch-size", "8", "--limit-test", "16", "--no-progress", "--device", "cpu",
+            "--out", str(out), "--log-every", "1"]
+    assert main(["train", "cnn", "--steps", "2"] + tiny) == 0
+    assert main(["train", "cnn", "--steps", "3", "--resume"] + tiny) == 0
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
+    ck = load_checkpoint(out / "last.pt")
+    assert ck["task"] == "cnn" and ck["step"] == 3 and ck["config"]["canvas"] == 40
+    net = BUILDERS["cnn"](ck["config"])
+    net.load_state_dict(ck["model"])
+    net.eval()
+    x = torch.rand(2, 1, 40, 40)
+    assert net(x).shape == (2, 10) and torch.isfinite(net(x)).all()
+    with pytest.raises(SystemExit) as e:
+        main(["train", "cnn", "--dropout", "1"] + tiny)
+    assert e.value.code == 2 and "--dropout: must be a number in [0, 1), got 1" in capsys.readouterr().err

@@ -16,10 +16,10 @@ __all__ = ['COMMANDS', 'finite', 'non_negative', 'probability', 'register', 'Par
            'positive', 'non_negative_int', 'positive_float', 'number', 'device', 'run_arguments', 'print_last_row',
            'run_settings', 'resume_command', 'eval_arguments', 'load_for_eval', 'capsnet_train_arguments',
            'train_capsnet_command', 'capsnet_eval_arguments', 'eval_capsnet_command', 'mog_train_arguments',
-           'cnn_train_arguments', 'train_cnn_command', 'train_mog_command', 'mog_eval_arguments', 'eval_mog_command',
-           'ccae_train_arguments', 'ccae_from_args', 'ccae_train_settings', 'train_ccae_command', 'ccae_eval_arguments',
-           'eval_ccae_command', 'scae_train_arguments', 'train_scae_command', 'scae_eval_arguments',
-           'eval_scae_command']
+           'cnn_train_arguments', 'train_cnn_command', 'cnn_eval_arguments', 'eval_cnn_command', 'train_mog_command',
+           'mog_eval_arguments', 'eval_mog_command', 'ccae_train_arguments', 'ccae_from_args', 'ccae_train_settings',
+           'train_ccae_command', 'ccae_eval_arguments', 'eval_ccae_command', 'scae_train_arguments',
+           'train_scae_command', 'scae_eval_arguments', 'eval_scae_command']
 
 # %% ../nbs/93_cli.ipynb #642e09a9
 COMMANDS: dict[str, dict[str, tuple[Callable, Callable, str]]] = {"train": {}, "eval": {}}
@@ -287,13 +287,20 @@ def capsnet_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=positive, default=500)
     p.add_argument("--data-root", default=None)
 
+
+# %% ../nbs/93_cli.ipynb #822bb526
 @register("eval", "capsnet", capsnet_eval_arguments,
           help="test accuracy of a CapsNet checkpoint or shipped weights")
 def eval_capsnet_command(args: argparse.Namespace) -> int:
     "`capsule-book eval capsnet`: test accuracy on MNIST's test digits, printed as JSON."
     from capsule_book.capsnet import evaluate, load_capsnet
     from capsule_book.data import MNISTBatches, load_mnist
-    model, source, _ = load_for_eval(args, "capsnet", load_capsnet)
+    model, source, config = load_for_eval(args, "capsnet", load_capsnet)
+    if config.get("canvas"):             # Chapter 4b's network: the expanded and affine test sets
+        from capsule_book.robustness import robustness_report
+        print(json.dumps({**source, **robustness_report(model, args.data_root, args.limit_test,
+                                                        args.sample, args.batch_size)}))
+        return 0
     x, y = load_mnist(False, root=args.data_root, limit=args.limit_test, sample=args.sample)
     dev = next(model.parameters()).device
     print(json.dumps({**source,
@@ -354,6 +361,26 @@ def train_cnn_command(args: argparse.Namespace) -> int:
                     device=args.device, data_root=args.data_root,
                     eval_every=args.eval_every or None, **run_settings(args))
     return print_last_row(train_cnn(cfg, resume_command=resume_command(args)))
+
+# %% ../nbs/93_cli.ipynb #e769968d
+def cnn_eval_arguments(p: argparse.ArgumentParser) -> None:
+    "The flags of `capsule-book eval cnn`."
+    eval_arguments(p, "cnn")
+    p.add_argument("--limit-test", type=positive, default=None)
+    p.add_argument("--sample", action="store_true",
+                   help="test on the shipped sample's 1,000 digits")
+    p.add_argument("--batch-size", type=positive, default=500)
+    p.add_argument("--data-root", default=None)
+
+@register("eval", "cnn", cnn_eval_arguments,
+          help="accuracy of a CNN on the expanded and the affine test sets (Chapter 4b)")
+def eval_cnn_command(args: argparse.Namespace) -> int:
+    "`capsule-book eval cnn`: the expanded and affine test accuracies, printed as JSON."
+    from capsule_book.robustness import load_cnn, robustness_report
+    model, source, _ = load_for_eval(args, "cnn", load_cnn)
+    print(json.dumps({**source, **robustness_report(model, args.data_root, args.limit_test,
+                                                    args.sample, args.batch_size)}))
+    return 0
 
 # %% ../nbs/93_cli.ipynb #aa1677ce
 @register("train", "mog", mog_train_arguments,

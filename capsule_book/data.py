@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Optional, Union
 
 # %% auto #0
-__all__ = ['DATA_ENV', 'DEFAULT_DATA_ROOT', 'IDX_TYPES', 'MNIST_SAMPLE_SIZE', 'MNIST_FILES', 'data_root', 'read_idx',
-           'mnist_sample_folder', 'mnist_raw_folder', 'load_mnist', 'random_shift', 'MNISTBatches', 'canvas_offsets',
-           'place_on_canvas', 'CanvasBatches', 'AffineRanges', 'affine_matrix', 'warp', 'ink_box', 'AffineSet',
-           'affine_draws', 'affine_test_set', 'expanded_mnist']
+__all__ = ['DATA_ENV', 'DEFAULT_DATA_ROOT', 'IDX_TYPES', 'MNIST_SAMPLE_SIZE', 'MNIST_FILES', 'EXPANDED_TEST_SEED', 'data_root',
+           'read_idx', 'mnist_sample_folder', 'mnist_raw_folder', 'load_mnist', 'random_shift', 'MNISTBatches',
+           'canvas_offsets', 'place_on_canvas', 'CanvasBatches', 'AffineRanges', 'affine_matrix', 'warp', 'ink_box',
+           'AffineSet', 'affine_draws', 'affine_test_set', 'expanded_mnist']
 
 # %% ../nbs/91_data.ipynb #d23931b1
 DATA_ENV = "CAPSULE_BOOK_DATA"
@@ -329,6 +329,8 @@ def affine_test_set(images: Tensor, labels: Tensor, seed: int = 0, canvas: int =
     return AffineSet(torch.cat(out), labels.clone(), theta, tau, scale, torch.cat(shifts))
 
 # %% ../nbs/91_data.ipynb #80346ada
+EXPANDED_TEST_SEED = 1_000_003           # the expanded test set's offsets, the same in every run
+
 def expanded_mnist(cfg, rank: int = 0, world: int = 1, device: Union[str, torch.device] = "cpu"
                    ) -> tuple[CanvasBatches, CanvasBatches]:
     """Training and test batches of the expanded MNIST for a run's settings `cfg` (batch_size,
@@ -338,5 +340,5 @@ def expanded_mnist(cfg, rank: int = 0, world: int = 1, device: Union[str, torch.
     train = CanvasBatches(x_tr, y_tr, cfg.batch_size, canvas=cfg.canvas, uniform=True,
                           shuffle=True, seed=cfg.seed, rank=rank, world_size=world, device=device)
     test = CanvasBatches(x_te, y_te, cfg.eval_batch_size, canvas=cfg.canvas, uniform=True,
-                         seed=1_000_003, rank=rank, world_size=world, pad=False, device=device)
+                         seed=EXPANDED_TEST_SEED, rank=rank, world_size=world, pad=False, device=device)
     return train, test

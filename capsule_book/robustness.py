@@ -4,18 +4,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .data import expanded_mnist
-from .train import EpochStream, RunResult, Task, all_sum, fit, init_distributed
+from .data import (EXPANDED_TEST_SEED, AffineSet, CanvasBatches, affine_test_set,
+                               expanded_mnist, load_mnist)
+from .capsnet import lr_factor
+from .train import (EpochStream, RunResult, Task, UserError, all_sum, fit,
+                                init_distributed, load_checkpoint, trained_weights)
 from .utils import check_images
 
 # %% auto #0
-__all__ = ['CNN_RUN_KEYS', 'BaselineCNN', 'predict', 'accuracy_by', 'CNNConfig', 'evaluate_classifier', 'cnn_task', 'train_cnn']
+__all__ = ['CNN_RUN_KEYS', 'BaselineCNN', 'predict', 'accuracy_by', 'CNNConfig', 'evaluate_classifier', 'cnn_task', 'train_cnn',
+           'robustness_report', 'load_cnn', 'plot_affine_examples']
 
 # %% ../nbs/04b_affine.ipynb #814ca551
 class BaselineCNN(nn.Module):
@@ -119,7 +124,6 @@ def evaluate_classifier(model: nn.Module, batches, world: int = 1) -> dict:
 def cnn_task(cfg: CNNConfig, rank: int = 0, world: int = 1,
              device: Union[str, torch.device] = "cpu", resume_command: str = "") -> tuple[Task, int]:
     "The engine's task for a CNN run (model, Adam, Eq. 4.1, expanded MNIST, cross entropy)."
-    from capsule_book.capsnet import lr_factor                     # Eq. (4.1)
     torch.manual_seed(cfg.seed)
     model = BaselineCNN(cfg.canvas, pool=cfg.pool, dropout=cfg.dropout).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
@@ -150,3 +154,51 @@ def train_cnn(cfg: CNNConfig, resume_command: str = "") -> RunResult:
                    world=world)
     finally:
         if created: torch.distributed.destroy_process_group()
+
+# %% ../nbs/04b_affine.ipynb #f2dad924
+def robustness_report(model: nn.Module, data_root: Optional[str] = None,
+                      limit: Optional[int] = None, sample: bool = False, batch_size: int = 500,
+                      affine_seed: int = 0) -> dict:
+    """Accuracy of `model` (a 40x40 CapsNet or BaselineCNN) on the expanded test set and on the
+    affNIST-style set made from the same MNIST test digits (Appendix B)."""
+    x, y = load_mnist(False, root=data_root, limit=limit, sample=sample)
+    dev = next(model.parameters()).device
+    expanded = CanvasBatches(x, y, batch_size, canvas=40, uniform=True, seed=EXPANDED_TEST_SEED,
+                             pad=False, device=dev)
+    aff = affine_test_set(x, y, seed=affine_seed)
+    right = predict(model, aff.images.to(dev), batch_size).cpu() == aff.labels
+    return {"expanded_accuracy": evaluate_classifier(model, expanded)["accuracy"],
+            "affine_accuracy": right.double().mean().item(), "n": len(y),
+            "affine_seed": affine_seed}
+
+def load_cnn(path: Union[str, Path], device: Union[str, torch.device] = "cpu"
+             ) -> tuple[BaselineCNN, dict]:
+    "The CNN of a run's checkpoint (eval mode, on `device`) and the checkpoint."
+    ck = load_checkpoint(path, map_location=device)
+    if ck.get("task") != "cnn":
+        raise UserError(f"{path} holds a {ck.get('task', 'unknown')} checkpoint, not a CNN one")
+    c = ck["config"]
+    model = BaselineCNN(c["canvas"], pool=c["pool"], dropout=c["dropout"]).to(device)
+    model.load_state_dict(trained_weights(ck))
+    return model.eval(), ck
+
+# %% ../nbs/04b_affine.ipynb #08ec9789
+def plot_affine_examples(aff: AffineSet, originals: Tensor, n: int = 8,
+                         predictions: Optional[dict[str, Tensor]] = None):
+    """The first n digits of `aff` under their originals [N, 28, 28] (uint8 or [0, 1]), titled
+    with θ, τ and the scales, and each named model's prediction; returns the Figure."""
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, n, figsize=(1.3 * n, 3.1))
+    x = originals.float() / (255 if not originals.dtype.is_floating_point else 1)
+    for i in range(n):
+        axes[0, i].imshow(F.pad(x[i], (6, 6, 6, 6)), cmap="gray", vmin=0, vmax=1)
+        axes[1, i].imshow(aff.images[i, 0], cmap="gray", vmin=0, vmax=1)
+        sx, sy = aff.scale[i].tolist()
+        axes[0, i].set_title(f"label {aff.labels[i].item()}", fontsize=7)
+        said = "".join(f"\n{k}: {v[i].item()}" for k, v in (predictions or {}).items())
+        axes[1, i].set_title(f"θ {aff.rotation[i]:+.0f}°, τ {aff.shear[i]:+.2f}\n"
+                             f"s {sx:.2f}, {sy:.2f}{said}", fontsize=6)
+        for a in axes[:, i]: a.set_xticks([]); a.set_yticks([])
+    axes[0, 0].set_ylabel("MNIST", fontsize=8); axes[1, 0].set_ylabel("affine", fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -146,3 +146,25 @@ def test_train_cnn_command_runs_resumes_and_its_weights_build(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", "cnn", "--dropout", "1"] + tiny)
     assert e.value.code == 2 and "--dropout: must be a number in [0, 1), got 1" in capsys.readouterr().err
+
+
+def test_eval_commands_report_the_expanded_and_affine_accuracies(tmp_path, capsys):
+    import json
+    from capsule_book.cli import main
+    from capsule_book.robustness import load_cnn, predict
+    from capsule_book.data import load_mnist
+    out = tmp_path / "cnn"
+    assert main(["train", "cnn", "--steps", "1", "--sample", "--batch-size", "8", "--limit-test", "8", "--no-progress",
+                 "--device", "cpu", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["eval", "cnn", "--checkpoint", str(out / "last.pt"), "--sample", "--limit-test", "40"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    model, _ = load_cnn(out / "last.pt")
+    aff = affine_test_set(*load_mnist(False, sample=True, limit=40), seed=0)
+    assert report["n"] == 40 and report["affine_accuracy"] == pytest.approx(
+        (predict(model, aff.images) == aff.labels).double().mean().item())
+    assert 0 <= report["expanded_accuracy"] <= 1
+    # a CNN checkpoint is not a CapsNet's, and the other way round: one line, exit 2
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "capsnet", "--checkpoint", str(out / "last.pt"), "--sample"])
+    assert e.value.code == 2 and "holds a cnn checkpoint, not a CapsNet one" in capsys.readouterr().err

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# A prepared session for a machine with one GPU (this workplace's `device` tool: 15 minutes for a whole issue,
+# the machine's start included). It trains, side by side on the one GPU, the runs that take days on these CPUs,
+# each in its own process under one time limit (--max-minutes: each stops cleanly with a checkpoint), then packs
+# each run (its float16 weights with their manifest entry, its metrics.jsonl, its last evaluation) for the trip
+# back.
+#
+#   bash benchmarks/gpu_session.sh train [JOB ...]   train (default: all jobs below), pack, copy the first packs
+#                                                    to $OUT (as many as the trip back holds)
+#   bash benchmarks/gpu_session.sh collect [JOB ...] copy the named packs to $OUT (a second call on the still-warm
+#                                                    machine: what the first trip could not hold)
+#   SMOKE=1 OUT=/tmp/o bash benchmarks/gpu_session.sh train   on a CPU: every job a few steps on the MNIST sample
+#
+# Before the call: the tree travels (64 MiB at most), so move weights/ and runs/ out of the checkout; MNIST travels
+# with it: copy ../shared/data/mnist/*.gz to data/mnist/ (ignored by git) and name `data` in the call's carry.
+# The trip back holds 8 files of at most 16 MiB, 64 MiB in all: a pack larger than 15 MiB is cut into parts
+# (`cat NAME.tar.part-* > NAME.tar`). Here, afterwards: `tar xf NAME.tar` gives NAME/weights/NAME.pt, the entry to
+# merge into weights/manifest.json (NAME/weights/manifest.json) and NAME/metrics.jsonl for benchmarks/results/.
+set -uo pipefail
+MODE=${1:-train}; shift || true
+OUT=${OUT:?set OUT to the folder whose files come back}
+MINUTES=${MINUTES:-7}                 # each run's training time limit
+WORK=${WORK:-/tmp/gpu_session}        # kept between calls while the machine stays warm
+PART=15M
+ALL=(capsnet-mnist cnn-expanded capsnet-expanded capsnet-expanded-r1)
+JOBS=("${@:-${ALL[@]}}")
+if [ "${#JOBS[@]}" -eq 0 ] || [ -z "${JOBS[0]}" ]; then JOBS=("${ALL[@]}"); fi
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PYTHON=${PYTHON:-python3}                # the device machine: its python3 holds PyTorch
+CB=("$PYTHON" -c "import sys; from capsule_book.cli import main; sys.exit(main())")
+if [ -n "${SMOKE:-}" ]; then
+  DEVICE=cpu; SIZE=(--sample --steps 3 --batch-size 8 --limit-test 16 --log-every 1 --eval-every 3)
+  CMD_SIZE=(--sample --limit-test 16)
+else
+  DEVICE=cuda; SIZE=(); CMD_SIZE=()
+  export CAPSULE_BOOK_DATA=$WORK/data
+  mkdir -p "$CAPSULE_BOOK_DATA/MNIST/raw"
+  for f in "$ROOT"/data/mnist/*.gz; do
+    [ -e "$f" ] || { echo "no MNIST in data/mnist/: copy ../shared/data/mnist/*.gz there, carry data" >&2; exit 2; }
+    gunzip -c "$f" > "$CAPSULE_BOOK_DATA/MNIST/raw/$(basename "$f" .gz)"
+  done
+fi
+
+# each job: the command's arguments after `capsule-book train`, and its model for `capsule-book eval`
+args_of() {
+  case $1 in
+    capsnet-mnist) echo "capsnet --epochs 50 --eval-every 2345" ;;               # the official schedule, 50 epochs
+    capsnet-expanded) echo "capsnet --canvas 40 --epochs 30 --eval-every 469" ;;
+    capsnet-expanded-r1) echo "capsnet --canvas 40 --routing-iterations 1 --epochs 30 --eval-every 469" ;;
+    cnn-expanded) echo "cnn --epochs 30 --eval-every 469" ;;
+    *) echo "unknown job $1 (jobs: ${ALL[*]})" >&2; return 2 ;;
+  esac
+}
+
+pack() {   # NAME: the run's weights (float16) and manifest entry, metrics and evaluation, as NAME.tar (in parts)
+  local name=$1 run=$WORK/runs/$1 args
+  args=$(args_of "$name") || return 2
+  local model=${args%% *} dir=$WORK/packs/$name
+  rm -rf "$dir" && mkdir -p "$dir/weights"
+  "${CB[@]}" eval "$model" --checkpoint "$run/last.pt" --device "$DEVICE" "${CMD_SIZE[@]}" > "$dir/eval.json" \
+    || { echo "$name: evaluation failed" >&2; return 1; }
+  "$PYTHON" - "$run/last.pt" "$name" "$dir" "capsule-book train $args" "$(nvidia-smi -L 2>/dev/null | head -1)" <<'EOF'
+import json, sys
+from capsule_book.weights import ship
+ck, name, folder, command, gpu = sys.argv[1:]
+metric = json.loads(open(f"{folder}/eval.json").read().strip().splitlines()[-1])
+ship(ck, name, command, metric, dtype="float16", folder=f"{folder}/weights",
+     notes=f"trained on {gpu or 'the CPU'} by benchmarks/gpu_session.sh")
+EOF
+  cp "$run/metrics.jsonl" "$dir/"; cp "$WORK/logs/$name.log" "$dir/" 2>/dev/null
+  (cd "$WORK/packs" && tar cf "$name.tar" "$name" && rm -f "$name.tar.part-"* \
+     && if [ "$(stat -c %s "$name.tar")" -gt 15728640 ]; then split -b $PART "$name.tar" "$name.tar.part-" \
+        && rm "$name.tar"; fi)
+}
+
+send() {   # copy packs to $OUT while they fit the trip back (8 files, 64 MiB)
+  local files=0 bytes=0 f n b
+  for name in "$@"; do
+    n=0; b=0
+    for f in "$WORK/packs/$name".tar*; do [ -e "$f" ] || continue; n=$((n + 1)); b=$((b + $(stat -c %s "$f"))); done
+    if [ "$n" -eq 0 ]; then echo "$name: no pack" >&2; continue; fi
+    if [ $((files + n)) -gt 8 ] || [ $((bytes + b)) -gt 66060288 ]; then echo "left for collect: $name"; continue; fi
+    cp "$WORK/packs/$name".tar* "$OUT/" && files=$((files + n)) && bytes=$((bytes + b)) && echo "sent: $name"
+  done
+}
+
+for name in "${JOBS[@]}"; do args_of "$name" > /dev/null || exit 2; done
+case $MODE in
+  train)
+    mkdir -p "$WORK/runs" "$WORK/packs" "$WORK/logs"
+    for name in "${JOBS[@]}"; do
+      read -r -a a <<< "$(args_of "$name")" || exit 2
+      "${CB[@]}" train "${a[@]}" "${SIZE[@]}" --out "$WORK/runs/$name" --device "$DEVICE" --no-progress \
+        --max-minutes "$MINUTES" $( [ -e "$WORK/runs/$name/last.pt" ] && echo --resume ) \
+        > "$WORK/logs/$name.log" 2>&1 &
+    done
+    wait
+    for name in "${JOBS[@]}"; do tail -n 2 "$WORK/logs/$name.log"; pack "$name"; done
+    send "${JOBS[@]}" ;;
+  collect) send "${JOBS[@]}" ;;
+  *) echo "usage: gpu_session.sh train|collect [JOB ...]" >&2; exit 2 ;;
+esac

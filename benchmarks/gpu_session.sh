@@ -46,9 +46,10 @@ fi
 args_of() {
   case $1 in
     capsnet-mnist) echo "capsnet --epochs 50 --eval-every 2345" ;;               # the official schedule, 50 epochs
-    capsnet-expanded) echo "capsnet --canvas 40 --epochs 30 --eval-every 469" ;;
-    capsnet-expanded-r1) echo "capsnet --canvas 40 --routing-iterations 1 --epochs 30 --eval-every 469" ;;
-    cnn-expanded) echo "cnn --epochs 30 --eval-every 469" ;;
+    capsnet-expanded) echo "capsnet --canvas 40 --epochs 30 --eval-every 469 --stop-at-accuracy 0.992" ;;
+    capsnet-expanded-r1) echo "capsnet --canvas 40 --routing-iterations 1 --epochs 30 --eval-every 469" \
+                              "--stop-at-accuracy 0.992" ;;
+    cnn-expanded) echo "cnn --epochs 30 --eval-every 469 --stop-at-accuracy 0.992" ;;
     *) echo "unknown job $1 (jobs: ${ALL[*]})" >&2; return 2 ;;
   esac
 }
@@ -60,7 +61,8 @@ pack() {   # NAME: the run's weights (float16) and manifest entry, metrics and e
   rm -rf "$dir" && mkdir -p "$dir/weights"
   "${CB[@]}" eval "$model" --checkpoint "$run/last.pt" --device "$DEVICE" "${CMD_SIZE[@]}" > "$dir/eval.json" \
     || { echo "$name: evaluation failed" >&2; return 1; }
-  "$PYTHON" - "$run/last.pt" "$name" "$dir" "capsule-book train $args" "$(nvidia-smi -L 2>/dev/null | head -1)" <<'EOF'
+  local gpu; gpu=$(nvidia-smi -L 2>/dev/null | head -1)
+  "$PYTHON" - "$run/last.pt" "$name" "$dir" "capsule-book train $args" "$gpu" <<'EOF'
 import json, sys
 from capsule_book.weights import ship
 ck, name, folder, command, gpu = sys.argv[1:]

@@ -175,6 +175,7 @@ class TrainConfig:
     checkpoint_minutes: float = 10.0
     log_every: int = 50
     eval_every: Optional[int] = None      # default: once an epoch (and at the end)
+    stop_accuracy: Optional[float] = None  # end at the first evaluation at least this accurate
 
 # %% ../nbs/04_capsnet.ipynb #25ae8f15
 # the settings that define a run: a checkpoint made with other values is refused on resume
@@ -261,7 +262,9 @@ def capsnet_task(cfg: TrainConfig, rank: int = 0, world: int = 1,
     eta = lambda s: cfg.lr * lr_factor(s, cfg.decay_rate, cfg.decay_steps, cfg.min_lr / cfg.lr)
     task = Task("capsnet", config, model, opt, EpochStream(train), loss, eta,
                 evaluate=lambda m: evaluate(m, test, world), ddp=True,
-                resume_command=resume_command or "train_capsnet(TrainConfig(..., resume=True))")
+                resume_command=resume_command or "train_capsnet(TrainConfig(..., resume=True))",
+                until=(None if cfg.stop_accuracy is None
+                       else lambda scores: scores["accuracy"] >= cfg.stop_accuracy))
     return task, len(train)
 
 # %% ../nbs/04_capsnet.ipynb #05cd0c36

@@ -251,6 +251,9 @@ def capsnet_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--canvas", type=int, choices=[40], default=None,
                    help="40: the expanded MNIST of Chapter 4b (digits at random places on a "
                         "40x40 canvas) instead of MNIST with 2-pixel shifts")
+    p.add_argument("--stop-at-accuracy", type=number(0.0, 1.0), default=None,
+                   help="end the run, finished, at the first evaluation at least this accurate "
+                        "(Chapter 4b: 0.992)")
     p.add_argument("--limit-train", type=positive, default=None,
                    help="train on the first N digits only")
     p.add_argument("--limit-test", type=positive, default=None,
@@ -271,7 +274,8 @@ def train_capsnet_command(args: argparse.Namespace) -> int:
                       routing_iterations=args.routing_iterations, lr=args.lr,
                       recon_weight=args.recon_weight, w_std=args.w_std,
                       detach_intermediate=not args.full_gradient, routing_bias=args.routing_bias,
-                      canvas=args.canvas, limit_train=args.limit_train,
+                      canvas=args.canvas, stop_accuracy=args.stop_at_accuracy,
+                      limit_train=args.limit_train,
                       limit_test=args.limit_test, sample=args.sample, seed=args.seed,
                       device=args.device, data_root=args.data_root,
                       eval_every=args.eval_every or None, **run_settings(args))
@@ -342,6 +346,9 @@ def cnn_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=positive, default=128, help="per process (default 128)")
     p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--dropout", type=probability, default=0.5, help="default 0.5")
+    p.add_argument("--stop-at-accuracy", type=number(0.0, 1.0), default=None,
+                   help="end the run, finished, at the first evaluation at least this accurate "
+                        "(Chapter 4b: 0.992)")
     p.add_argument("--limit-train", type=positive, default=None)
     p.add_argument("--limit-test", type=positive, default=None)
     p.add_argument("--sample", action="store_true",
@@ -356,7 +363,8 @@ def train_cnn_command(args: argparse.Namespace) -> int:
     "`capsule-book train cnn`: train (or resume) through the engine; print the last metrics row."
     from capsule_book.robustness import CNNConfig, train_cnn
     cfg = CNNConfig(epochs=args.epochs, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                    dropout=args.dropout, limit_train=args.limit_train,
+                    dropout=args.dropout, stop_accuracy=args.stop_at_accuracy,
+                    limit_train=args.limit_train,
                     limit_test=args.limit_test, sample=args.sample, seed=args.seed,
                     device=args.device, data_root=args.data_root,
                     eval_every=args.eval_every or None, **run_settings(args))

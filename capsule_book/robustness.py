@@ -102,6 +102,7 @@ class CNNConfig:
     checkpoint_minutes: float = 10.0
     log_every: int = 50
     eval_every: Optional[int] = None      # default: once an epoch
+    stop_accuracy: Optional[float] = None  # end at the first evaluation at least this accurate
 
 CNN_RUN_KEYS = ("batch_size", "lr", "decay_rate", "decay_steps", "min_lr", "dropout", "pool",
                 "canvas", "limit_train", "limit_test", "sample", "seed")
@@ -138,7 +139,9 @@ def cnn_task(cfg: CNNConfig, rank: int = 0, world: int = 1,
     eta = lambda s: cfg.lr * lr_factor(s, cfg.decay_rate, cfg.decay_steps, cfg.min_lr / cfg.lr)
     task = Task("cnn", config, model, opt, EpochStream(train), loss, eta,
                 evaluate=lambda m: evaluate_classifier(m, test, world), ddp=True,
-                resume_command=resume_command or "train_cnn(CNNConfig(..., resume=True))")
+                resume_command=resume_command or "train_cnn(CNNConfig(..., resume=True))",
+                until=(None if cfg.stop_accuracy is None
+                       else lambda scores: scores["accuracy"] >= cfg.stop_accuracy))
     return task, len(train)
 
 def train_cnn(cfg: CNNConfig, resume_command: str = "") -> RunResult:

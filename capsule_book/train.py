@@ -207,6 +207,8 @@ class Task:
     # > 0: keep an exponential moving average of the weights, w̄ ← d·w̄ + (1 − d)·w after every
     # step; evaluations read it, and the run's model ends with it (0: none)
     average: float = 0.0
+    # the run ends, as finished, at the first evaluation whose scores satisfy this (None: never)
+    until: Optional[Callable[[dict], bool]] = None
 
 class RunResult(NamedTuple):
     """The trained model, every metrics row of the run (all sessions), the step reached,
@@ -432,7 +434,7 @@ def _run_start(self: _Run, progress: bool, eval_every: int) -> None:
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.history))
     self.t_start = self.t_ckpt = time.time()
     self.cost = {"step": 0.0, "eval": 0.0, "checkpoint": 0.0}  # the last duration of each, in s
-    self.stopped = self.interrupted = False
+    self.stopped = self.interrupted = self.reached = False
     self.doing = None                                          # the step under way
     self.eval_every = eval_every
     self.bar = _bar(self.steps, self.step, progress and self.rank == 0, self.task.name)
@@ -451,6 +453,10 @@ def _run_stops(self: _Run, stop_at: Optional[int], max_minutes: Optional[float],
     "Whether the run stops before the next step; `stopped` and `interrupted` say why."
     if stop_at is not None and self.step >= stop_at:
         self.stopped = True
+        return True
+    if self.task.until is not None and self.last_eval and self.task.until(
+            {k[5:]: v for k, v in self.last_eval.items()}):     # the scores without "eval_"
+        self.reached = True
         return True
     late = False
     if max_minutes is not None:
@@ -526,11 +532,12 @@ _Run.log_row, _Run.checkpoint_due = _run_log_row, _run_checkpoint_due
 
 # %% ../nbs/92_train.ipynb #1a130555
 def _run_end(self: _Run) -> None:
-    "After the loop: the checkpoint of a stopped or interrupted run; `Interrupted` for the latter."
+    """After the loop: the checkpoint of a stopped, interrupted or target-reaching run;
+    `Interrupted` for the second."""
     self.bar.close()
     step, ck = self.step, self.ck
     # (interrupted before a step was taken since the start or resume: nothing new to save)
-    if (self.stopped or (ck is not None and step == ck["step"])
+    if (self.stopped or self.reached or (ck is not None and step == ck["step"])
         or (self.interrupted and step != (self.saved or 0))):
         self.checkpoint()
     if self.interrupted:
@@ -557,14 +564,16 @@ _Run.end, _Run.failure = _run_end, _run_failure
 # %% ../nbs/92_train.ipynb #11fde67d
 def _run_result(self: _Run) -> RunResult:
     "What `fit` returns, once a stopped run has said how to continue."
-    step, steps = self.step, self.steps
-    if self.stopped and self.rank == 0:
+    step, steps, done = self.step, self.steps, self.step >= self.steps or self.reached
+    if self.reached and self.rank == 0:
+        print(f"finished at step {step}: the evaluation reached the run's target", flush=True)
+    elif self.stopped and self.rank == 0:
         print(f"stopped at step {step} of {steps}; continue with `{self.task.resume_command}`",
               flush=True)
     # a finished run's model is its average
-    if self.average is not None and step >= steps:
+    if self.average is not None and done:
         self.model.load_state_dict(self.average, strict=False)
-    return RunResult(self.model, self.history, step, step >= steps)
+    return RunResult(self.model, self.history, step, done)
 
 _Run.result = _run_result
 

@@ -168,3 +168,22 @@ def test_eval_commands_report_the_expanded_and_affine_accuracies(tmp_path, capsy
     with pytest.raises(SystemExit) as e:
         main(["eval", "capsnet", "--checkpoint", str(out / "last.pt"), "--sample"])
     assert e.value.code == 2 and "holds a cnn checkpoint, not a CapsNet one" in capsys.readouterr().err
+
+
+def test_a_run_ends_finished_at_its_target_accuracy(tmp_path, capsys):
+    import json
+    from capsule_book.cli import main
+    from capsule_book.train import load_checkpoint
+    out = tmp_path / "cnn"
+    tiny = ["--sample", "--batch-size", "8", "--limit-test", "8", "--no-progress", "--device", "cpu",
+            "--out", str(out), "--steps", "10", "--eval-every", "2", "--stop-at-accuracy", "0"]
+    assert main(["train", "cnn"] + tiny) == 0
+    assert "finished at step 2: the evaluation reached the run's target" in capsys.readouterr().out
+    assert load_checkpoint(out / "last.pt")["step"] == 2
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in rows) == 2 and "eval_accuracy" in rows[-1]
+    # resumed, it has nothing left to do; an unreachable target trains to the end
+    assert main(["train", "cnn", "--resume"] + tiny) == 0
+    assert load_checkpoint(out / "last.pt")["step"] == 2
+    assert main(["train", "cnn", "--resume"] + tiny[:-1] + ["1"]) == 0
+    assert load_checkpoint(out / "last.pt")["step"] == 10

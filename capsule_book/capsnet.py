@@ -83,7 +83,8 @@ def mask_capsules(caps: Tensor, index: Tensor) -> Tensor:
 # %% ../nbs/04_capsnet.ipynb #3b167744
 class CapsNet(nn.Module):
     """Sabour et al. (2017): Conv1 -> PrimaryCaps (1152 x 8-D) -> DigitCaps
-    (10 x 16-D, routing) -> decoder; on image_size x image_size images (40: 4608 primary capsules)."""
+    (10 x 16-D, routing) -> decoder, on image_size x image_size images
+    (40: 4608 primary capsules)."""
     def __init__(self, routing_iterations: int = 3, n_classes: int = 10, conv_impl: str = "auto",
                  w_std: float = 0.01, detach_intermediate: bool = True,
                  routing_bias: Optional[float] = None, image_size: int = 28):

@@ -274,7 +274,8 @@ def warp(images: Tensor, A: Tensor, t: Tensor) -> Tensor:
     return F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 
 def ink_box(images: Tensor) -> Tensor:
-    "The first and last columns and rows holding ink of images [B, 1, H, W]: [B, 4] (x0, x1, y0, y1)."
+    """The first and last columns and rows holding ink of images [B, 1, H, W]:
+    [B, 4] (x0, x1, y0, y1)."""
     ink = images[:, 0] > 0
     def ends(m: Tensor) -> tuple[Tensor, Tensor]:                       # m [B, n]: any ink there
         i = torch.arange(m.shape[1]).expand_as(m)
@@ -340,5 +341,6 @@ def expanded_mnist(cfg, rank: int = 0, world: int = 1, device: Union[str, torch.
     train = CanvasBatches(x_tr, y_tr, cfg.batch_size, canvas=cfg.canvas, uniform=True,
                           shuffle=True, seed=cfg.seed, rank=rank, world_size=world, device=device)
     test = CanvasBatches(x_te, y_te, cfg.eval_batch_size, canvas=cfg.canvas, uniform=True,
-                         seed=EXPANDED_TEST_SEED, rank=rank, world_size=world, pad=False, device=device)
+                         seed=EXPANDED_TEST_SEED, rank=rank, world_size=world, pad=False,
+                         device=device)
     return train, test

@@ -65,8 +65,8 @@ def accuracy_by(correct: Tensor, values: Tensor, edges: Tensor) -> tuple[Tensor,
     """Accuracy of `correct` [N] (bool) in the bins of `values` [N] cut at `edges` [K+1]:
     the bins' centres [K], accuracies [K] (NaN where empty) and counts [K]."""
     if correct.shape != values.shape or edges.dim() != 1 or len(edges) < 2:
-        raise ValueError(f"expected correct [N], values [N] and edges [K+1], got {list(correct.shape)}"
-                         f", {list(values.shape)} and {list(edges.shape)}")
+        raise ValueError(f"expected correct [N], values [N] and edges [K+1], got "
+                         f"{list(correct.shape)}, {list(values.shape)} and {list(edges.shape)}")
     k = torch.bucketize(values, edges[1:-1].to(values.dtype))             # bin of each value
     counts = torch.bincount(k, minlength=len(edges) - 1)
     hits = torch.bincount(k, weights=correct.double(), minlength=len(edges) - 1)
@@ -123,7 +123,8 @@ def evaluate_classifier(model: nn.Module, batches, world: int = 1) -> dict:
 
 # %% ../nbs/04b_affine.ipynb #883fb624
 def cnn_task(cfg: CNNConfig, rank: int = 0, world: int = 1,
-             device: Union[str, torch.device] = "cpu", resume_command: str = "") -> tuple[Task, int]:
+             device: Union[str, torch.device] = "cpu",
+             resume_command: str = "") -> tuple[Task, int]:
     "The engine's task for a CNN run (model, Adam, Eq. 4.1, expanded MNIST, cross entropy)."
     torch.manual_seed(cfg.seed)
     model = BaselineCNN(cfg.canvas, pool=cfg.pool, dropout=cfg.dropout).to(device)

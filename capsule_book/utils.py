@@ -118,7 +118,8 @@ def check_images(images: torch.Tensor, size: int, dtype: torch.dtype, who: str) 
                         f"the images with images.to({dtype}) (or the model with "
                         f".to({images.dtype}))")
     if len(images) == 0:
-        raise ValueError(f"{who} needs at least one image, got an empty batch [0, 1, {size}, {size}]")
+        raise ValueError(f"{who} needs at least one image, got an empty batch "
+                         f"[0, 1, {size}, {size}]")
     if compiling(): return
     lo, hi = (v.item() for v in torch.aminmax(images.detach()))   # NaN fails the test below
     if not 0 <= lo <= hi <= 1:

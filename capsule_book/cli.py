@@ -582,6 +582,9 @@ def scae_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presence-mask", choices=["official", "log"], default="official",
                    help="how the set encoder weighs parts by presence: official (-(1-d)·1e32) or "
                         "log (adds log d to the scores)")
+    p.add_argument("--part-layout", choices=["part", "official"], default="part",
+                   help="the part encoder's pooling: one attention map per part (the paper, "
+                        "default) or regrouped as the official code's reshape (Chapter 10)")
     p.add_argument("--n-parts", type=positive, default=40, help="part capsules (official 40)")
     p.add_argument("--n-objects", type=positive, default=32, help="object capsules (official 32)")
     p.add_argument("--prior-within-constant", type=positive_float, default=None,
@@ -609,7 +612,7 @@ def train_scae_command(args: argparse.Namespace) -> int:
         raise ValueError(f"--average must lie in [0, 1), got {args.average}")
     if args.lr_decay > 1: raise ValueError(f"--lr-decay must lie in (0, 1], got {args.lr_decay}")
     config = SCAEConfig(n_parts=args.n_parts, n_objects=args.n_objects,
-                        presence_mask=args.presence_mask,
+                        presence_mask=args.presence_mask, part_layout=args.part_layout,
                         prior_within_constant=args.prior_within_constant)
     dev = pick_device(args.device)
     # as `train ccae`: subnormal floats flushed to zero on a CPU, for this command only

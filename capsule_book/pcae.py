@@ -39,10 +39,14 @@ def glorot_bound(shape: tuple) -> float:
 class PartEncoder(nn.Module):
     """The PCAE encoder: a CNN (128 channels, 3x3, strides 2, 2, 1, 1, no padding, ReLU), a bias
     per position and channel, and Eq. (10.1) per part capsule. Images [B, 1, H, W] ->
-    pose parameters [B, N, 6], special features [B, N, F], presence logits [B, N]."""
+    pose parameters [B, N, 6], special features [B, N, F], presence logits [B, N];
+    layout="official": the pooled values regrouped as the official code's reshape does."""
     def __init__(self, n_parts: int = 40, n_features: int = 16, canvas: int = 40,
-                 channels: int = 128):
+                 channels: int = 128, layout: str = "part"):
         super().__init__()
+        if layout not in ("part", "official"):
+            raise ValueError(f"layout must be 'part' or 'official', got {layout!r}")
+        self.layout = layout
         layers, c_in, side = [], 1, canvas
         for stride in (2, 2, 1, 1):
             layers += [nn.Conv2d(c_in, channels, 3, stride), nn.ReLU()]
@@ -64,6 +68,8 @@ class PartEncoder(nn.Module):
         h = h.view(B, self.n_parts, self.d + 1, -1)                    # [B, N, d+1, S]
         alpha = h[:, :, -1].softmax(-1)                                # α_n: [B, N, S]
         o = (h[:, :, :-1] * alpha[:, :, None]).sum(-1)                 # o_n, Eq. (10.1): [B, N, d]
+        if self.layout == "official":       # [B, d, N] read as [B, N, d]: see below
+            o = o.transpose(1, 2).reshape(B, self.n_parts, self.d)
         pose, features, logit = o.split([6, self.n_features, 1], -1)
         return pose, features, logit[..., 0]
 

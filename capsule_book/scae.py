@@ -23,9 +23,9 @@ from .train import (EpochStream, RunResult, Task, UserError, fit, load_checkpoin
                                 trained_weights)
 
 # %% auto #0
-__all__ = ['presence_attention', 'PresenceSAB', 'PartSetEncoder', 'part_pose_likelihood', 'SCAEConfig', 'SCAEOutput', 'SCAE',
-           'scae_task', 'train_scae', 'load_scae', 'scae_features', 'kmeans_accuracy', 'linear_probe_accuracy',
-           'evaluate_scae', 'plot_scae_parts', 'plot_object_capsules', 'plot_tsne_confusion']
+__all__ = ['presence_attention', 'PresenceSAB', 'PartSetEncoder', 'part_pose_likelihood', 'SCAEConfig', 'scae_run_config',
+           'SCAEOutput', 'SCAE', 'scae_task', 'train_scae', 'load_scae', 'scae_features', 'kmeans_accuracy',
+           'linear_probe_accuracy', 'evaluate_scae', 'plot_scae_parts', 'plot_object_capsules', 'plot_tsne_confusion']
 
 # %% ../nbs/11_ocae.ipynb #e946a489
 def presence_attention(mh: Multihead, X: Tensor, Y: Tensor, presence: Tensor,
@@ -126,6 +126,7 @@ class SCAEConfig:
     set_heads: int = 1
     set_out: int = 256
     presence_mask: str = "official"    # Eq. (11.1), or "log"
+    part_layout: str = "part"          # the PCAE encoder's pooling: the paper's, or "official"
     colorize: bool = True
     part_noise: float = 4.0            # presence-logit noise in training, Eq. (10.2)
     object_noise: float = 4.0
@@ -145,6 +146,8 @@ class SCAEConfig:
 # %% ../nbs/11_ocae.ipynb #d3be7072
 def _check_scae_config(cfg: SCAEConfig) -> None:
     "Refuse an unknown mask, a size below 1, and a noise or a weight below 0 or not finite."
+    if cfg.part_layout not in ("part", "official"):
+        raise ValueError(f"part_layout must be 'part' or 'official', got {cfg.part_layout!r}")
     if cfg.presence_mask not in ("official", "log"):
         raise ValueError("presence_mask must be 'official' or 'log', got "
                          f"{cfg.presence_mask!r}")
@@ -158,6 +161,15 @@ def _check_scae_config(cfg: SCAEConfig) -> None:
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     check_background(cfg.background)
+
+# settings added after runs were made: a run records them only when they are not their default,
+# so the runs made before them resume
+_LATER_DEFAULTS = {"part_layout": "part"}
+
+def scae_run_config(cfg: SCAEConfig) -> dict:
+    "The model's settings as a run records them (a later setting only when not its default)."
+    return {k: v for k, v in asdict(cfg).items() if _LATER_DEFAULTS.get(k, object()) != v}
+
 
 # %% ../nbs/11_ocae.ipynb #a4e913cc
 class SCAEOutput(NamedTuple):
@@ -190,7 +202,8 @@ class SCAE(nn.Module):
         self.config = cfg
         g = torch.Generator().manual_seed(seed)
         N, K = cfg.n_parts, cfg.n_objects
-        self.part_encoder = PartEncoder(N, cfg.n_part_features, cfg.canvas)
+        self.part_encoder = PartEncoder(N, cfg.n_part_features, cfg.canvas,
+                                        layout=cfg.part_layout)
         self.decoder = TemplateDecoder(N, cfg.template_size, cfg.canvas, cfg.n_part_features,
                                        cfg.colorize, g)
         d_in = 6 + 1 + cfg.n_part_features + cfg.template_size**2
@@ -293,9 +306,9 @@ def scae_task(model: SCAE, batch_size: int = 128, lr: float = 3e-5, optimizer: s
             raise FloatingPointError(f"the loss is not finite ({terms})")
         return out.loss, {k: v.detach() for k, v in out.losses.items()}
 
-    config = dict(model=asdict(model.config), batch_size=batch_size, lr=lr, optimizer=optimizer,
-                  lr_decay=lr_decay, decay_steps=decay_steps, seed=seed, sample=sample,
-                  average=average)
+    config = dict(model=scae_run_config(model.config), batch_size=batch_size, lr=lr,
+                  optimizer=optimizer, lr_decay=lr_decay, decay_steps=decay_steps, seed=seed,
+                  sample=sample, average=average)
     return Task("scae", config, model, opt, EpochStream(train), loss,
                 lambda s: lr * lr_decay ** (s / decay_steps),
                 evaluate=lambda m: evaluate_scae(m, ev_train, ev_test, n_init=3),

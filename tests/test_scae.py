@@ -250,3 +250,24 @@ def test_command_line_and_shipped_weights(tmp_path, capsys):
         o = model(torch.rand(3, 1, 40, 40))
     assert not model.training and o.object_presence.shape == (3, 4)
     assert ((0 <= o.object_presence) & (o.object_presence <= 1)).all()
+
+
+def test_official_part_layout_is_the_official_reshape_and_old_runs_resume(tmp_path):
+    from capsule_book.pcae import PartEncoder
+    from capsule_book.scae import scae_run_config
+    torch.manual_seed(0)
+    paper, official = PartEncoder(), PartEncoder(layout="official")
+    official.load_state_dict(paper.state_dict())
+    x = torch.rand(3, 1, 40, 40)
+    with torch.no_grad():
+        mine = torch.cat([paper(x)[0], paper(x)[1], paper(x)[2][..., None]], -1)          # [3, 40, 23]
+        theirs = torch.cat([official(x)[0], official(x)[1], official(x)[2][..., None]], -1)
+    # the official code: pooled [B, d, N] (values laid out dimension-major), then reshaped to [B, N, d]
+    assert torch.equal(theirs, mine.transpose(1, 2).reshape(3, 40, 23))
+    assert not torch.allclose(theirs, mine)
+    with pytest.raises(ValueError, match="layout must be 'part' or 'official'"):
+        PartEncoder(layout="transpose")
+    # a run records the new setting only when it is not the default: runs made before it resume
+    assert "part_layout" not in scae_run_config(SCAEConfig())
+    assert scae_run_config(SCAEConfig(part_layout="official"))["part_layout"] == "official"
+    assert SCAE({k: v for k, v in scae_run_config(SCAEConfig()).items()}).config.part_layout == "part"

@@ -271,3 +271,31 @@ def test_official_part_layout_is_the_official_reshape_and_old_runs_resume(tmp_pa
     assert "part_layout" not in scae_run_config(SCAEConfig())
     assert scae_run_config(SCAEConfig(part_layout="official"))["part_layout"] == "official"
     assert SCAE({k: v for k, v in scae_run_config(SCAEConfig()).items()}).config.part_layout == "part"
+
+
+def test_pcae_only_diagnostic_trains_on_the_image_likelihood_alone():
+    "benchmarks/scae_pcae_only.py (issue 29): every OCAE weight 0; TF1's RMSProp start."
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import scae_pcae_only
+    from capsule_book.ccae import FlatRMSprop
+    torch.manual_seed(0)
+    model = SCAE(SCAEConfig(**SMALL, **scae_pcae_only.PCAE_ONLY))
+    out = model(torch.rand(3, 1, 40, 40))
+    # the loss is the image NLL though every other term is not 0
+    torch.testing.assert_close(out.loss, out.losses["image_nll"])
+    assert all(out.losses[k].abs() > 0 for k in ("part_nll", "prior_within", "posterior_within"))
+    # TensorFlow 1's RMSProp: mean square from 1, so a first step of size η g / sqrt(0.9 + 0.1 g²)
+    init = FlatRMSprop.__init__
+    try:
+        scae_pcae_only.tf_rmsprop_start()
+        w = torch.nn.Linear(2, 1, bias=False)
+        opt = FlatRMSprop(w, lr=0.1, alpha=0.9, momentum=0.9, eps=0.0)
+        before = w.weight.detach().clone()
+        w.weight.grad.copy_(torch.tensor([[0.5, -2.0]]))
+        opt.step()
+        g = torch.tensor([[0.5, -2.0]])
+        torch.testing.assert_close(w.weight.detach(), before - 0.1 * g / (0.9 + 0.1 * g**2).sqrt())
+    finally:
+        FlatRMSprop.__init__ = init

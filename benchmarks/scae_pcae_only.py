@@ -5,6 +5,13 @@ likelihood trains the part encoder and the templates. Driven in slices through t
     OMP_NUM_THREADS=1 python benchmarks/scae_pcae_only.py --out runs/scae-pcae-only-lr3e-4 --max-minutes 100
     OMP_NUM_THREADS=1 python benchmarks/scae_pcae_only.py --out runs/scae-pcae-only-lr3e-4 --max-minutes 100 --resume
 
+`--from-pcae CHECKPOINT` starts the whole SCAE (every weight official) from a PCAE-alone checkpoint: the second
+stage of a schedule that trains the cheap PCAE first (the OCAE changes the PCAE only through the special features:
+poses, presences and templates reach it with their gradients stopped);
+
+    OMP_NUM_THREADS=1 python benchmarks/scae_pcae_only.py --from-pcae runs/scae-pcae-only-lr3e-4/last.pt \
+        --out runs/scae-after-pcae --max-minutes 100      # then --resume, without --from-pcae
+
 `--tf-init` starts RMSProp's mean square at 1, as TensorFlow 1's `RMSPropOptimizer` does (PyTorch's starts at 0);
 `--inspect CHECKPOINT` prints what tells a collapse from parts (the templates' mean centred cosine, the spread of
 the part poses across parts on 64 test digits, presences, the alpha logits' range) and, with --figures DIR, draws
@@ -13,6 +20,7 @@ the templates and the parts of six digits.
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -33,6 +41,17 @@ def tf_rmsprop_start() -> None:
         self.state[self.flat] = {"step": torch.zeros(()), "square_avg": torch.ones_like(flat),
                                  "momentum_buffer": torch.zeros_like(flat)}
     ccae.FlatRMSprop.__init__ = start_at_one
+
+
+def scae_from_pcae(path: str, seed: int = 0) -> SCAE:
+    "The SCAE with the official weights of Eq. (11.3) and the part encoder and decoder (and the untrained OCAE) of a PCAE-alone checkpoint."
+    pcae, _ = load_scae(path)
+    if any(getattr(pcae.config, k) != v for k, v in PCAE_ONLY.items()):
+        raise SystemExit(f"{path} is not a PCAE-alone run (its OCAE weights are not all 0)")
+    official = SCAEConfig()
+    model = SCAE(replace(pcae.config, **{k: getattr(official, k) for k in PCAE_ONLY}), seed=seed)
+    model.load_state_dict(pcae.state_dict())
+    return model.train()
 
 
 @torch.no_grad()
@@ -77,8 +96,10 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-n", type=int, default=1000)
+    p.add_argument("--eval-every", type=int, default=0, help="steps between K-means evaluations (0: at the end)")
     p.add_argument("--tf-init", action="store_true")
     p.add_argument("--inspect", metavar="CHECKPOINT")
+    p.add_argument("--from-pcae", metavar="CHECKPOINT")
     p.add_argument("--figures", default="")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -86,9 +107,12 @@ def main() -> int:
         print(json.dumps(inspect(a.inspect, a.figures)))
         return 0
     if a.tf_init: tf_rmsprop_start()
-    model = SCAE(SCAEConfig(**PCAE_ONLY), seed=a.seed)
+    if a.from_pcae and a.resume:
+        raise SystemExit("--from-pcae starts a run; continue it with --resume alone")
+    model = (scae_from_pcae(a.from_pcae, a.seed) if a.from_pcae
+             else SCAE(SCAEConfig(**PCAE_ONLY), seed=a.seed))
     result = train_scae(model, a.steps, out=a.out, resume=a.resume, max_minutes=a.max_minutes,
-                        batch_size=a.batch_size, lr=a.lr, seed=a.seed, eval_n=a.eval_n, eval_every=0,
+                        batch_size=a.batch_size, lr=a.lr, seed=a.seed, eval_n=a.eval_n, eval_every=a.eval_every,
                         checkpoint_every=500, log_every=100, progress=False)
     print(json.dumps({"step": result.step, "finished": result.finished,
                       **(result.history[-1] if result.history else {})}))

@@ -299,3 +299,22 @@ def test_pcae_only_diagnostic_trains_on_the_image_likelihood_alone():
         torch.testing.assert_close(w.weight.detach(), before - 0.1 * g / (0.9 + 0.1 * g**2).sqrt())
     finally:
         FlatRMSprop.__init__ = init
+
+
+def test_whole_scae_starts_from_a_pcae_alone_run(tmp_path):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import scae_pcae_only
+    run = train_scae(SCAE(SCAEConfig(**SMALL, **scae_pcae_only.PCAE_ONLY)), 2, out=tmp_path / "pcae",
+                     batch_size=4, sample=True, progress=False, eval_n=20)
+    model = scae_pcae_only.scae_from_pcae(str(tmp_path / "pcae" / "last.pt"))
+    assert model.training and model.config.part_ll_weight == 1 and model.config.prior_within == 2
+    assert model.config.n_parts == SMALL["n_parts"]
+    for k, v in run.model.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v)
+    # a run of the whole SCAE is refused
+    train_scae(SCAE(SCAEConfig(**SMALL)), 1, out=tmp_path / "whole", batch_size=4, sample=True,
+               progress=False, eval_n=20)
+    with pytest.raises(SystemExit, match="not a PCAE-alone run"):
+        scae_pcae_only.scae_from_pcae(str(tmp_path / "whole" / "last.pt"))

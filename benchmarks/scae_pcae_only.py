@@ -13,9 +13,9 @@ poses, presences and templates reach it with their gradients stopped);
         --out runs/scae-after-pcae --max-minutes 100      # then --resume, without --from-pcae
 
 `--tf-init` starts RMSProp's mean square at 1, as TensorFlow 1's `RMSPropOptimizer` does (PyTorch's starts at 0);
-`--inspect CHECKPOINT` prints what tells a collapse from parts (the templates' mean centred cosine, the spread of
-the part poses across parts on 64 test digits, presences, the alpha logits' range) and, with --figures DIR, draws
-the templates and the parts of six digits.
+`--inspect CHECKPOINT` prints what tells a collapse from parts (the mean centred cosine of the templates' ink and of
+their alpha logits, the spread of the part poses across parts on 64 test digits, presences, the alpha logits' range)
+and, with --figures DIR, draws the templates, their alpha logits and the parts of six digits.
 """
 import argparse
 import json
@@ -54,21 +54,27 @@ def scae_from_pcae(path: str, seed: int = 0) -> SCAE:
     return model.train()
 
 
+def mean_centred_cosine(maps: torch.Tensor) -> float:
+    "The mean cosine between two different maps [N, ...], each centred on its own mean."
+    m = maps.flatten(1)
+    m = m - m.mean(1, keepdim=True)
+    m = m / m.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    n = m.shape[0]
+    return float(((m @ m.T).sum() - n) / (n * n - n))
+
+
 @torch.no_grad()
 def inspect(path: str, figures: str = "") -> dict:
     "Collapse statistics of a run's checkpoint (see the module's text)."
     from capsule_book.data import CanvasBatches, load_mnist
     model, ck = load_scae(path)
-    T = model.decoder.templates()[:, 0].flatten(1)
-    Tc = T - T.mean(1, keepdim=True)
-    Tc = Tc / Tc.norm(dim=1, keepdim=True).clamp_min(1e-12)
-    n = T.shape[0]
-    cos = ((Tc @ Tc.T).sum() - n) / (n * n - n)
+    alpha = model.decoder.alpha_logits
     x, y = load_mnist(False)
     images, _ = next(iter(CanvasBatches(x[:64], y[:64], 64, model.config.canvas, seed=1)))
     out = model(images)
-    alpha = model.decoder.alpha_logits
-    res = {"step": ck.get("step"), "template_cosine": round(float(cos), 4),
+    res = {"step": ck.get("step"),
+           "template_cosine": round(mean_centred_cosine(model.decoder.templates()), 4),
+           "alpha_cosine": round(mean_centred_cosine(alpha), 4),
            "pose_spread": [round(v, 4) for v in out.part_pose.std(1).mean(0).tolist()],
            "presence": round(float(out.part_presence.mean()), 4),
            "alpha_range": [round(float(alpha.min()), 3), round(float(alpha.max()), 3)],
@@ -82,6 +88,10 @@ def inspect(path: str, figures: str = "") -> dict:
         Path(figures).mkdir(parents=True, exist_ok=True)
         plot_templates(model.decoder.templates(), title=f"step {res['step']}").savefig(
             f"{figures}/templates_step{res['step']}.png", dpi=80)
+        lo, hi = res["alpha_range"]
+        plot_templates((alpha - lo) / max(hi - lo, 1e-12),
+                       title=f"alpha logits, step {res['step']} (black {lo}, white {hi})").savefig(
+            f"{figures}/alpha_step{res['step']}.png", dpi=80)
         plot_scae_parts(out, images).savefig(f"{figures}/parts_step{res['step']}.png", dpi=80)
     return res
 

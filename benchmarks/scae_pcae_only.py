@@ -116,6 +116,10 @@ def main() -> int:
     if a.inspect:
         print(json.dumps(inspect(a.inspect, a.figures)))
         return 0
+    # as `capsule-book train`: freed memory kept, subnormal floats flushed to zero
+    from capsule_book.cli import keep_freed_memory
+    keep_freed_memory()
+    torch.set_flush_denormal(True)
     if a.tf_init: tf_rmsprop_start()
     if a.from_pcae and a.resume:
         raise SystemExit("--from-pcae starts a run; continue it with --resume alone")

@@ -27,3 +27,15 @@ def compile_cache_of_this_session():
     if before is None: os.environ.pop("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", None)
     else: os.environ["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] = before
     shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ctrl_c_deliverable():
+    """The Ctrl-C tests send SIGINT to themselves or to the processes they start; a shell that runs a job in the
+    background with nohup (or without job control) starts it with SIGINT ignored, and the children inherit that.
+    Python's own handler is put in its place for the session (the children then start with the default)."""
+    import signal
+    before = signal.getsignal(signal.SIGINT)
+    if before is signal.SIG_IGN: signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

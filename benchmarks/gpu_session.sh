@@ -22,7 +22,7 @@ OUT=${OUT:?set OUT to the folder whose files come back}
 MINUTES=${MINUTES:-7}                 # each run's training time limit
 WORK=${WORK:-/tmp/gpu_session}        # kept between calls while the machine stays warm
 PART=15M
-ALL=(capsnet-mnist cnn-expanded capsnet-expanded capsnet-expanded-r1)
+ALL=(capsnet-mnist cnn-expanded capsnet-expanded capsnet-expanded-r1 scae-mnist)
 JOBS=("${@:-${ALL[@]}}")
 if [ "${#JOBS[@]}" -eq 0 ] || [ -z "${JOBS[0]}" ]; then JOBS=("${ALL[@]}"); fi
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -30,10 +30,9 @@ export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PYTHON=${PYTHON:-python3}                # the device machine: its python3 holds PyTorch
 CB=("$PYTHON" -c "import sys; from capsule_book.cli import main; sys.exit(main())")
 if [ -n "${SMOKE:-}" ]; then
-  DEVICE=cpu; SIZE=(--sample --steps 3 --batch-size 8 --limit-test 16 --log-every 1 --eval-every 3)
-  CMD_SIZE=(--sample --limit-test 16)
+  DEVICE=cpu
 else
-  DEVICE=cuda; SIZE=(); CMD_SIZE=()
+  DEVICE=cuda
   export CAPSULE_BOOK_DATA=$WORK/data
   mkdir -p "$CAPSULE_BOOK_DATA/MNIST/raw"
   for f in "$ROOT"/data/mnist/*.gz; do
@@ -50,16 +49,35 @@ args_of() {
     capsnet-expanded-r1) echo "capsnet --canvas 40 --routing-iterations 1 --epochs 30 --eval-every 469" \
                               "--stop-at-accuracy 0.992" ;;
     cnn-expanded) echo "cnn --epochs 30 --eval-every 469 --stop-at-accuracy 0.992" ;;
+    # the image SCAE (issue 29) at the official batch, with the tenfold rate that moves it in a short budget
+    scae-mnist) echo "scae --batch-size 128 --lr 3e-4 --eval-every 5000 --eval-n 5000" ;;
     *) echo "unknown job $1 (jobs: ${ALL[*]})" >&2; return 2 ;;
+  esac
+}
+
+# SMOKE: each model's few steps on the MNIST sample (training, then evaluation); none otherwise
+train_size() {
+  [ -n "${SMOKE:-}" ] || return 0
+  case $1 in
+    scae) echo "--sample --steps 3 --batch-size 8 --eval-n 16 --log-every 1 --eval-every 3" ;;
+    *) echo "--sample --steps 3 --batch-size 8 --limit-test 16 --log-every 1 --eval-every 3" ;;
+  esac
+}
+eval_size() {
+  [ -n "${SMOKE:-}" ] || return 0
+  case $1 in
+    scae) echo "--sample --n-train 40 --n-test 20" ;;
+    *) echo "--sample --limit-test 16" ;;
   esac
 }
 
 pack() {   # NAME: the run's weights (float16) and manifest entry, metrics and evaluation, as NAME.tar (in parts)
   local name=$1 run=$WORK/runs/$1 args
   args=$(args_of "$name") || return 2
-  local model=${args%% *} dir=$WORK/packs/$name
+  local model=${args%% *} dir=$WORK/packs/$name size
+  read -r -a size <<< "$(eval_size "$model")"
   rm -rf "$dir" && mkdir -p "$dir/weights"
-  "${CB[@]}" eval "$model" --checkpoint "$run/last.pt" --device "$DEVICE" "${CMD_SIZE[@]}" > "$dir/eval.json" \
+  "${CB[@]}" eval "$model" --checkpoint "$run/last.pt" --device "$DEVICE" "${size[@]}" > "$dir/eval.json" \
     || { echo "$name: evaluation failed" >&2; return 1; }
   local gpu; gpu=$(nvidia-smi -L 2>/dev/null | head -1)
   "$PYTHON" - "$run/last.pt" "$name" "$dir" "capsule-book train $args" "$gpu" <<'EOF'
@@ -93,7 +111,8 @@ case $MODE in
     mkdir -p "$WORK/runs" "$WORK/packs" "$WORK/logs"
     for name in "${JOBS[@]}"; do
       read -r -a a <<< "$(args_of "$name")" || exit 2
-      "${CB[@]}" train "${a[@]}" "${SIZE[@]}" --out "$WORK/runs/$name" --device "$DEVICE" --no-progress \
+      read -r -a size <<< "$(train_size "${a[0]}")"
+      "${CB[@]}" train "${a[@]}" "${size[@]}" --out "$WORK/runs/$name" --device "$DEVICE" --no-progress \
         --max-minutes "$MINUTES" $( [ -e "$WORK/runs/$name/last.pt" ] && echo --resume ) \
         > "$WORK/logs/$name.log" 2>&1 &
     done

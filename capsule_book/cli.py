@@ -8,18 +8,19 @@ import json
 import math
 import shlex
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional, Union
 
 # %% auto #0
 __all__ = ['COMMANDS', 'finite', 'non_negative', 'probability', 'register', 'Parser', 'build_parser', 'main', 'keep_freed_memory',
-           'positive', 'non_negative_int', 'positive_float', 'number', 'device', 'run_arguments', 'print_last_row',
-           'run_settings', 'resume_command', 'eval_arguments', 'load_for_eval', 'capsnet_train_arguments',
-           'train_capsnet_command', 'capsnet_eval_arguments', 'eval_capsnet_command', 'mog_train_arguments',
-           'cnn_train_arguments', 'train_cnn_command', 'cnn_eval_arguments', 'eval_cnn_command', 'train_mog_command',
-           'mog_eval_arguments', 'eval_mog_command', 'ccae_train_arguments', 'ccae_from_args', 'ccae_train_settings',
-           'train_ccae_command', 'ccae_eval_arguments', 'eval_ccae_command', 'scae_train_arguments',
-           'train_scae_command', 'scae_eval_arguments', 'eval_scae_command']
+           'subnormals_flushed', 'positive', 'non_negative_int', 'positive_float', 'number', 'device', 'run_arguments',
+           'print_last_row', 'run_settings', 'resume_command', 'eval_arguments', 'load_for_eval',
+           'capsnet_train_arguments', 'train_capsnet_command', 'capsnet_eval_arguments', 'eval_capsnet_command',
+           'mog_train_arguments', 'cnn_train_arguments', 'train_cnn_command', 'cnn_eval_arguments', 'eval_cnn_command',
+           'train_mog_command', 'mog_eval_arguments', 'eval_mog_command', 'ccae_train_arguments', 'ccae_from_args',
+           'ccae_train_settings', 'train_ccae_command', 'ccae_eval_arguments', 'eval_ccae_command',
+           'scae_train_arguments', 'train_scae_command', 'scae_eval_arguments', 'eval_scae_command']
 
 # %% ../nbs/93_cli.ipynb #642e09a9
 COMMANDS: dict[str, dict[str, tuple[Callable, Callable, str]]] = {"train": {}, "eval": {}}
@@ -94,6 +95,19 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+# %% ../nbs/93_cli.ipynb #27501f38
+@contextmanager
+def subnormals_flushed(device: Union[str, "torch.device"] = "cpu") -> Iterator[bool]:
+    """Within the block, subnormal floats are flushed to zero where `device` is a CPU; the
+    previous setting is restored after it. Yields whether they are flushed."""
+    import torch
+    was = (torch.tensor([1e-39]) * 1.0).item() == 0.0
+    flush = torch.device(device).type == "cpu" and torch.set_flush_denormal(True)
+    try:
+        yield bool(flush or was)
+    finally:
+        torch.set_flush_denormal(was)
 
 # %% ../nbs/93_cli.ipynb #3d0f169d
 def positive(text: str) -> int:
@@ -540,16 +554,10 @@ def train_ccae_command(args: argparse.Namespace) -> int:
     from capsule_book.utils import pick_device
     torch_device = pick_device(args.device)
     import torch
-    # as benchmarks/ccae.py: subnormal floats flushed to zero on a CPU (faster, and the same run),
-    # for this command only
-    was_flushed = (torch.tensor([1e-39]) * 1.0).item() == 0.0
-    if torch_device.type == "cpu": torch.set_flush_denormal(True)
-    try:
+    with subnormals_flushed(torch_device):                    # for this command only
         torch.manual_seed(args.seed)
         model = ccae_from_args(args).to(torch_device)
         result = train_ccae(model, args.steps, **ccae_train_settings(args))
-    finally:
-        torch.set_flush_denormal(was_flushed)
     return print_last_row(result)
 
 def ccae_eval_arguments(p: argparse.ArgumentParser) -> None:
@@ -593,6 +601,15 @@ def scae_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="evaluate and end with a moving average of the weights, decay D per step")
     p.add_argument("--eval-n", type=positive, default=10_000,
                    help="training and test digits per evaluation (default 10000)")
+    stages = p.add_argument_group("two stages (Chapter 11)")
+    stages.add_argument("--pcae-only", action="store_true",
+                        help="the first stage: the PCAE alone, every OCAE weight of Eq. (11.3) 0")
+    stages.add_argument("--from-pcae", metavar="CHECKPOINT", default=None,
+                        help="the second stage: the whole SCAE from a --pcae-only run's last.pt "
+                             "(ignored with --resume, which continues the run's own checkpoint)")
+    stages.add_argument("--freeze-pcae", action="store_true",
+                        help="with --from-pcae: the PCAE kept as the checkpoint has it, only the "
+                             "OCAE learns")
     p.add_argument("--sample", action="store_true",
                    help="the MNIST sample shipped with the package (2,000/1,000)")
     p.add_argument("--data-root", default=None,
@@ -606,28 +623,33 @@ def train_scae_command(args: argparse.Namespace) -> int:
     """`capsule-book train scae`: train (or resume) through the engine;
     print the last metrics row as JSON."""
     import torch
-    from capsule_book.scae import SCAE, SCAEConfig, train_scae
+    from capsule_book.scae import PCAE_ONLY, SCAE, SCAEConfig, scae_from_pcae, train_scae
     from capsule_book.utils import pick_device
     if not 0 <= args.average < 1:
         raise ValueError(f"--average must lie in [0, 1), got {args.average}")
     if args.lr_decay > 1: raise ValueError(f"--lr-decay must lie in (0, 1], got {args.lr_decay}")
+    if args.pcae_only and (args.from_pcae or args.freeze_pcae):
+        raise ValueError("--pcae-only is the first stage; --from-pcae and --freeze-pcae the second")
+    if args.freeze_pcae and not (args.from_pcae or args.resume):
+        raise ValueError("--freeze-pcae needs a trained PCAE: give --from-pcae CHECKPOINT")
+    if args.from_pcae and args.resume:
+        print(f"capsule-book: --resume continues {args.out}'s own checkpoint; "
+              f"--from-pcae {args.from_pcae} is not read", file=sys.stderr)
     config = SCAEConfig(n_parts=args.n_parts, n_objects=args.n_objects,
                         presence_mask=args.presence_mask, part_layout=args.part_layout,
-                        prior_within_constant=args.prior_within_constant)
+                        prior_within_constant=args.prior_within_constant,
+                        **(PCAE_ONLY if args.pcae_only else {}))
     dev = pick_device(args.device)
-    # as `train ccae`: subnormal floats flushed to zero on a CPU, for this command only
-    was_flushed = (torch.tensor([1e-39]) * 1.0).item() == 0.0
-    if dev.type == "cpu": torch.set_flush_denormal(True)
-    try:
+    with subnormals_flushed(dev):                             # for this command only
         torch.manual_seed(args.seed)
-        model = SCAE(config, seed=args.seed).to(dev)
+        model = (scae_from_pcae(args.from_pcae, config, seed=args.seed)
+                 if args.from_pcae and not args.resume else SCAE(config, seed=args.seed)).to(dev)
         result = train_scae(model, args.steps, batch_size=args.batch_size, lr=args.lr,
                             optimizer=args.optimizer, lr_decay=args.lr_decay, seed=args.seed,
                             eval_n=args.eval_n, sample=args.sample, data_root=args.data_root,
                             average=args.average, eval_every=args.eval_every,
-                            resume_command=resume_command(args), **run_settings(args))
-    finally:
-        torch.set_flush_denormal(was_flushed)
+                            freeze_pcae=args.freeze_pcae, resume_command=resume_command(args),
+                            **run_settings(args))
     return print_last_row(result)
 
 # %% ../nbs/93_cli.ipynb #0b0842e6

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import NamedTuple, Optional, Union
 
 import numpy as np
@@ -23,9 +23,10 @@ from .train import (EpochStream, RunResult, Task, UserError, fit, load_checkpoin
                                 trained_weights)
 
 # %% auto #0
-__all__ = ['presence_attention', 'PresenceSAB', 'PartSetEncoder', 'part_pose_likelihood', 'SCAEConfig', 'scae_run_config',
-           'SCAEOutput', 'SCAE', 'scae_task', 'train_scae', 'load_scae', 'scae_features', 'kmeans_accuracy',
-           'linear_probe_accuracy', 'evaluate_scae', 'plot_scae_parts', 'plot_object_capsules', 'plot_tsne_confusion']
+__all__ = ['PCAE_ONLY', 'presence_attention', 'PresenceSAB', 'PartSetEncoder', 'part_pose_likelihood', 'SCAEConfig',
+           'scae_run_config', 'SCAEOutput', 'SCAE', 'scae_task', 'train_scae', 'load_scae', 'scae_features',
+           'kmeans_accuracy', 'linear_probe_accuracy', 'evaluate_scae', 'scae_from_pcae', 'plot_scae_parts',
+           'plot_object_capsules', 'plot_tsne_confusion']
 
 # %% ../nbs/11_ocae.ipynb #e946a489
 def presence_attention(mh: Multihead, X: Tensor, Y: Tensor, presence: Tensor,
@@ -273,18 +274,30 @@ def _scae_mixture(self: SCAE, ink: Tensor, alpha: Tensor) -> tuple[Tensor, Tenso
     logits = torch.cat([alpha, bg_logit.expand(B_, 1, H, W)], 1)
     return means, logits, mixture_mode(means, logits)
 
+# %% ../nbs/11_ocae.ipynb #5cb1a7e2
+def _scae_batch_loss(net: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, dict]:
+    "One training batch's loss (Eq. 11.3) and its terms; a non-finite loss stops the run."
+    out = net(batch[0])
+    if not torch.isfinite(out.loss):
+        terms = ", ".join(f"{k} {v.item():.4g}" for k, v in out.losses.items())
+        raise FloatingPointError(f"the loss is not finite ({terms})")
+    return out.loss, {k: v.detach() for k, v in out.losses.items()}
+
 # %% ../nbs/11_ocae.ipynb #a874fbac
 def scae_task(model: SCAE, batch_size: int = 128, lr: float = 3e-5, optimizer: str = "rmsprop",
               lr_decay: float = 1.0, decay_steps: int = 10_000, seed: int = 0, eval_n: int = 10_000,
               sample: bool = False, data_root: Optional[Union[str, os.PathLike]] = None,
-              average: float = 0.0, resume_command: str = "") -> Task:
+              average: float = 0.0, freeze_pcae: bool = False, resume_command: str = "") -> Task:
     """The engine's task for an SCAE on MNIST canvases: RMSProp (official) or Adam,
-    η(s) = lr·lr_decay^(s/decay_steps), K-means accuracy on `eval_n` training and test digits."""
+    η(s) = lr·lr_decay^(s/decay_steps), K-means accuracy on `eval_n` training and test digits;
+    `freeze_pcae`: the part encoder and the templates take no gradient."""
     if batch_size < 1: raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     if not (math.isfinite(lr) and lr > 0): raise ValueError(f"lr must be positive, got {lr}")
     if not 0 < lr_decay <= 1 or decay_steps < 1:
         raise ValueError(f"lr_decay must lie in (0, 1] and decay_steps be >= 1, got {lr_decay} and "
                          f"{decay_steps}")
+    for stage in (model.part_encoder, model.decoder):    # frozen: no gradient, so no step moves it
+        stage.requires_grad_(not freeze_pcae)
     if optimizer == "rmsprop":
         opt = FlatRMSprop(model, lr=lr, alpha=0.9, momentum=0.9, eps=0.1 / batch_size)
     elif optimizer == "adam":
@@ -298,18 +311,10 @@ def scae_task(model: SCAE, batch_size: int = 128, lr: float = 3e-5, optimizer: s
     train = CanvasBatches(x_tr, y_tr, batch_size, canvas, shuffle=True, seed=seed, device=device)
     ev_train = CanvasBatches(x_tr[:eval_n], y_tr[:eval_n], 500, canvas, seed=10_001, device=device)
     ev_test = CanvasBatches(x_te[:eval_n], y_te[:eval_n], 500, canvas, seed=10_002, device=device)
-
-    def loss(net: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, dict]:
-        out = net(batch[0])
-        if not torch.isfinite(out.loss):
-            terms = ", ".join(f"{k} {v.item():.4g}" for k, v in out.losses.items())
-            raise FloatingPointError(f"the loss is not finite ({terms})")
-        return out.loss, {k: v.detach() for k, v in out.losses.items()}
-
     config = dict(model=scae_run_config(model.config), batch_size=batch_size, lr=lr,
                   optimizer=optimizer, lr_decay=lr_decay, decay_steps=decay_steps, seed=seed,
-                  sample=sample, average=average)
-    return Task("scae", config, model, opt, EpochStream(train), loss,
+                  sample=sample, average=average, **({"freeze_pcae": True} if freeze_pcae else {}))
+    return Task("scae", config, model, opt, EpochStream(train), _scae_batch_loss,
                 lambda s: lr * lr_decay ** (s / decay_steps),
                 evaluate=lambda m: evaluate_scae(m, ev_train, ev_test, n_init=3),
                 resume_command=resume_command or "train_scae(..., resume=True)", average=average)
@@ -395,6 +400,33 @@ def evaluate_scae(model: SCAE, train_batches, test_batches, n_init: int = 10,
         res.update({f"{f}_{k}": v for k, v in acc.items()})
         if probe: res[f"{f}_probe"] = linear_probe_accuracy(tr[f], tr["label"], te[f], te["label"])
     return res
+
+# %% ../nbs/11_ocae.ipynb #ecedbaf9
+# Eq. (11.3) with every OCAE term weighed 0: the image likelihood alone trains the PCAE
+PCAE_ONLY = dict(part_ll_weight=0.0, dynamic_l2=0.0, prior_within=0.0, prior_between=0.0,
+                 posterior_within=0.0, posterior_between=0.0)
+
+def scae_from_pcae(path: Union[str, os.PathLike], config: Optional[SCAEConfig] = None,
+                   seed: int = 0) -> SCAE:
+    """The whole SCAE of `config` (default: the checkpoint's sizes, the official weights) with the
+    part encoder and templates of a PCAE-alone checkpoint and a fresh OCAE; in training mode."""
+    pcae, _ = load_scae(path)
+    if any(getattr(pcae.config, k) != 0 for k in PCAE_ONLY):
+        raise UserError(f"{path} is not a PCAE-alone run (its OCAE weights are not all 0): give "
+                        "a checkpoint of `capsule-book train scae --pcae-only`")
+    official = {k: getattr(SCAEConfig(), k) for k in PCAE_ONLY}
+    cfg = config or replace(pcae.config, **official)
+    # the PCAE's own sizes must agree; the OCAE is new and may have any
+    differ = [k for k in ("canvas", "n_parts", "template_size", "n_part_features", "part_layout",
+                          "colorize") if getattr(cfg, k) != getattr(pcae.config, k)]
+    if differ:
+        raise UserError(f"{path} holds a PCAE with " + ", ".join(
+            f"{k}={getattr(pcae.config, k)!r}" for k in differ) + "; this run asks for " +
+            ", ".join(f"{k}={getattr(cfg, k)!r}" for k in differ))
+    model = SCAE(cfg, seed=seed)
+    for stage in ("part_encoder", "decoder"):
+        getattr(model, stage).load_state_dict(getattr(pcae, stage).state_dict())
+    return model.train()
 
 # %% ../nbs/11_ocae.ipynb #3f7f2a7f
 def plot_scae_parts(out: SCAEOutput, images: Tensor, n_examples: int = 6,

@@ -273,48 +273,65 @@ def test_official_part_layout_is_the_official_reshape_and_old_runs_resume(tmp_pa
     assert SCAE({k: v for k, v in scae_run_config(SCAEConfig()).items()}).config.part_layout == "part"
 
 
-def test_pcae_only_diagnostic_trains_on_the_image_likelihood_alone():
-    "benchmarks/scae_pcae_only.py (issue 29): every OCAE weight 0; TF1's RMSProp start."
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import scae_pcae_only
-    from capsule_book.ccae import FlatRMSprop
+def test_freeze_pcae_trains_the_ocae_alone(tmp_path):
+    "scae_task(freeze_pcae=True): the PCAE ends exactly as it began, the OCAE moves; resumes only frozen."
+    from capsule_book.train import CheckpointError
     torch.manual_seed(0)
-    model = SCAE(SCAEConfig(**SMALL, **scae_pcae_only.PCAE_ONLY))
-    out = model(torch.rand(3, 1, 40, 40))
-    # the loss is the image NLL though every other term is not 0
-    torch.testing.assert_close(out.loss, out.losses["image_nll"])
-    assert all(out.losses[k].abs() > 0 for k in ("part_nll", "prior_within", "posterior_within"))
-    # TensorFlow 1's RMSProp: mean square from 1, so a first step of size η g / sqrt(0.9 + 0.1 g²)
-    init = FlatRMSprop.__init__
-    try:
-        scae_pcae_only.tf_rmsprop_start()
-        w = torch.nn.Linear(2, 1, bias=False)
-        opt = FlatRMSprop(w, lr=0.1, alpha=0.9, momentum=0.9, eps=0.0)
-        before = w.weight.detach().clone()
-        w.weight.grad.copy_(torch.tensor([[0.5, -2.0]]))
-        opt.step()
-        g = torch.tensor([[0.5, -2.0]])
-        torch.testing.assert_close(w.weight.detach(), before - 0.1 * g / (0.9 + 0.1 * g**2).sqrt())
-    finally:
-        FlatRMSprop.__init__ = init
+    model = SCAE(SCAEConfig(**SMALL))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    run = train_scae(model, 3, out=tmp_path, batch_size=4, sample=True, progress=False, eval_n=20,
+                     freeze_pcae=True)
+    after = run.model.state_dict()
+    pcae = [k for k in before if k.startswith(("part_encoder.", "decoder."))]
+    ocae = [k for k in before if k not in pcae]
+    assert pcae and ocae
+    for k in pcae:
+        assert torch.equal(after[k], before[k]), k
+    assert sum(not torch.equal(after[k], before[k]) for k in ocae) >= len(ocae) // 2
+    # the run records the setting: resumed without it, it is refused
+    with pytest.raises(CheckpointError, match="freeze_pcae"):
+        train_scae(SCAE(SCAEConfig(**SMALL)), 4, out=tmp_path, resume=True, batch_size=4, sample=True,
+                   progress=False, eval_n=20)
+    resumed = train_scae(SCAE(SCAEConfig(**SMALL)), 4, out=tmp_path, resume=True, batch_size=4,
+                         sample=True, progress=False, eval_n=20, freeze_pcae=True)
+    assert resumed.step == 4
+    for k in pcae:
+        assert torch.equal(resumed.model.state_dict()[k], before[k]), k
 
 
-def test_whole_scae_starts_from_a_pcae_alone_run(tmp_path):
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import scae_pcae_only
-    run = train_scae(SCAE(SCAEConfig(**SMALL, **scae_pcae_only.PCAE_ONLY)), 2, out=tmp_path / "pcae",
-                     batch_size=4, sample=True, progress=False, eval_n=20)
-    model = scae_pcae_only.scae_from_pcae(str(tmp_path / "pcae" / "last.pt"))
-    assert model.training and model.config.part_ll_weight == 1 and model.config.prior_within == 2
-    assert model.config.n_parts == SMALL["n_parts"]
-    for k, v in run.model.state_dict().items():
-        torch.testing.assert_close(model.state_dict()[k], v)
-    # a run of the whole SCAE is refused
-    train_scae(SCAE(SCAEConfig(**SMALL)), 1, out=tmp_path / "whole", batch_size=4, sample=True,
-               progress=False, eval_n=20)
-    with pytest.raises(SystemExit, match="not a PCAE-alone run"):
-        scae_pcae_only.scae_from_pcae(str(tmp_path / "whole" / "last.pt"))
+def test_two_stages_through_the_command_line(tmp_path, capsys):
+    "train scae --pcae-only, then --from-pcae (frozen or not); each resumes; wrong starts refused in one line."
+    from capsule_book import cli
+    from capsule_book.scae import PCAE_ONLY
+    small = ["--sample", "--batch-size", "4", "--eval-n", "20", "--n-parts", "5", "--n-objects", "4",
+             "--device", "cpu", "--no-progress"]
+    train = lambda out, *more: cli.main(["train", "scae", "--out", str(tmp_path / out), *small, *more])
+    assert train("pcae", "--steps", "2", "--pcae-only") == 0
+    assert train("pcae", "--steps", "3", "--pcae-only", "--resume") == 0
+    pcae, ck = load_scae(tmp_path / "pcae" / "last.pt")
+    assert ck["step"] == 3 and all(getattr(pcae.config, k) == 0 for k in PCAE_ONLY)
+    first = tmp_path / "pcae" / "last.pt"
+    for out, frozen in (("whole", []), ("frozen", ["--freeze-pcae"])):
+        assert train(out, "--steps", "2", "--from-pcae", str(first), *frozen) == 0
+        capsys.readouterr()
+        assert train(out, "--steps", "3", "--from-pcae", str(first), "--resume", *frozen) == 0
+        assert "--from-pcae" in capsys.readouterr().err           # said: the run's own checkpoint
+        model, ck = load_scae(tmp_path / out / "last.pt")
+        assert ck["step"] == 3 and model.config.prior_within == SCAEConfig().prior_within
+        moved = not torch.equal(model.decoder.template_logits, pcae.decoder.template_logits)
+        assert moved != bool(frozen)                # the PCAE trains on, or stays exactly as it was
+        assert ck["config"].get("freeze_pcae", False) == bool(frozen)
+    # refused, each in one line with exit status 2
+    train("whole-scae", "--steps", "1")
+    for argv, said in (([str(tmp_path / "whole-scae" / "last.pt")], "not a PCAE-alone run"),
+                       ([str(first), "--n-parts", "6"], "holds a PCAE with n_parts=5"),
+                       ([str(first), "--pcae-only"], "--pcae-only is the first stage")):
+        with pytest.raises(SystemExit) as e:
+            train("bad", "--steps", "1", "--from-pcae", *argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and said in err and "Traceback" not in err, err
+    with pytest.raises(SystemExit) as e:
+        train("bad", "--steps", "1", "--freeze-pcae")
+    assert e.value.code == 2 and "--freeze-pcae needs a trained PCAE" in capsys.readouterr().err
+
+

@@ -1,0 +1,35 @@
+"""benchmarks/gpu_session.sh, the prepared GPU session: its SMOKE path (a few steps on the CPU, the MNIST sample)
+trains the image SCAE job, packs it, and the pack's float16 weights load through `weights.load` as a working model."""
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import torch
+
+from capsule_book import weights
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_scae_job_trains_packs_and_loads(tmp_path):
+    env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"),
+           "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    (tmp_path / "out").mkdir()
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "train", "scae-mnist"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "sent: scae-mnist" in done.stdout, done.stdout + done.stderr
+    with tarfile.open(tmp_path / "out" / "scae-mnist.tar") as tar:
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    pack = tmp_path / "unpacked" / "scae-mnist"
+    entry = json.loads((pack / "weights" / "manifest.json").read_text())["models"]["scae-mnist"]
+    assert entry["dtype"] == "float16" and entry["command"].startswith("capsule-book train scae --batch-size 128")
+    assert "trained on the CPU by benchmarks/gpu_session.sh" in entry["notes"]
+    assert [json.loads(r)["step"] for r in (pack / "metrics.jsonl").read_text().splitlines()][-1] == 3
+    model = weights.load("scae-mnist", folder=pack / "weights", download=False)
+    with torch.no_grad():
+        out = model(torch.rand(2, 1, 40, 40))
+    assert not model.training and out.object_presence.shape == (2, 32)
+    assert ((out.object_presence >= 0) & (out.object_presence <= 1)).all()

@@ -597,6 +597,9 @@ def scae_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-objects", type=positive, default=32, help="object capsules (official 32)")
     p.add_argument("--prior-within-constant", type=positive_float, default=None,
                    help="object capsules asked to be present per image (default K/C = 3.2)")
+    p.add_argument("--prior-between", type=non_negative, default=0.35,
+                   help="weight of the prior between-example term (official 0.35; relative to the "
+                        "other terms it grows as the batch squared, Chapter 11)")
     p.add_argument("--average", type=float, default=0.0,
                    help="evaluate and end with a moving average of the weights, decay D per step")
     p.add_argument("--eval-n", type=positive, default=10_000,
@@ -635,10 +638,10 @@ def train_scae_command(args: argparse.Namespace) -> int:
     if args.from_pcae and args.resume:
         print(f"capsule-book: --resume continues {args.out}'s own checkpoint; "
               f"--from-pcae {args.from_pcae} is not read", file=sys.stderr)
+    weights = {"prior_between": args.prior_between, **(PCAE_ONLY if args.pcae_only else {})}
     config = SCAEConfig(n_parts=args.n_parts, n_objects=args.n_objects,
                         presence_mask=args.presence_mask, part_layout=args.part_layout,
-                        prior_within_constant=args.prior_within_constant,
-                        **(PCAE_ONLY if args.pcae_only else {}))
+                        prior_within_constant=args.prior_within_constant, **weights)
     dev = pick_device(args.device)
     with subnormals_flushed(dev):                             # for this command only
         torch.manual_seed(args.seed)

@@ -333,5 +333,11 @@ def test_two_stages_through_the_command_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         train("bad", "--steps", "1", "--freeze-pcae")
     assert e.value.code == 2 and "--freeze-pcae needs a trained PCAE" in capsys.readouterr().err
+    # the prior between-example weight (sixteenfold at batch 32 matches the official balance at 128)
+    assert train("between", "--steps", "1", "--prior-between", "5.6") == 0
+    assert load_scae(tmp_path / "between" / "last.pt")[0].config.prior_between == 5.6
+    with pytest.raises(SystemExit) as e:
+        train("bad", "--steps", "1", "--prior-between", "-1")
+    assert e.value.code == 2 and "--prior-between" in capsys.readouterr().err
 
 

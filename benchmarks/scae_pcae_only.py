@@ -18,6 +18,7 @@ import torch
 
 from capsule_book.scae import load_scae
 
+
 def mean_centred_cosine(maps: torch.Tensor) -> float:
     "The mean cosine between two different maps [N, ...], each centred on its own mean."
     m = maps.flatten(1)

@@ -23,10 +23,10 @@ from .train import (EpochStream, RunResult, Task, UserError, fit, load_checkpoin
                                 trained_weights)
 
 # %% auto #0
-__all__ = ['PCAE_ONLY', 'presence_attention', 'PresenceSAB', 'PartSetEncoder', 'part_pose_likelihood', 'SCAEConfig',
-           'scae_run_config', 'SCAEOutput', 'SCAE', 'scae_task', 'train_scae', 'load_scae', 'scae_features',
-           'kmeans_accuracy', 'linear_probe_accuracy', 'evaluate_scae', 'scae_from_pcae', 'plot_scae_parts',
-           'plot_object_capsules', 'plot_tsne_confusion']
+__all__ = ['PCAE_STAGES', 'PCAE_ONLY', 'presence_attention', 'PresenceSAB', 'PartSetEncoder', 'part_pose_likelihood',
+           'SCAEConfig', 'scae_run_config', 'SCAEOutput', 'SCAE', 'scae_task', 'train_scae', 'load_scae',
+           'scae_features', 'kmeans_accuracy', 'linear_probe_accuracy', 'evaluate_scae', 'scae_from_pcae',
+           'plot_scae_parts', 'plot_object_capsules', 'plot_tsne_confusion']
 
 # %% ../nbs/11_ocae.ipynb #e946a489
 def presence_attention(mh: Multihead, X: Tensor, Y: Tensor, presence: Tensor,
@@ -274,6 +274,9 @@ def _scae_mixture(self: SCAE, ink: Tensor, alpha: Tensor) -> tuple[Tensor, Tenso
     logits = torch.cat([alpha, bg_logit.expand(B_, 1, H, W)], 1)
     return means, logits, mixture_mode(means, logits)
 
+# the SCAE's modules that make up the PCAE (Chapter 10): trained alone, kept, or frozen as a whole
+PCAE_STAGES = ("part_encoder", "decoder")
+
 # %% ../nbs/11_ocae.ipynb #5cb1a7e2
 def _scae_batch_loss(net: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, dict]:
     "One training batch's loss (Eq. 11.3) and its terms; a non-finite loss stops the run."
@@ -296,8 +299,8 @@ def scae_task(model: SCAE, batch_size: int = 128, lr: float = 3e-5, optimizer: s
     if not 0 < lr_decay <= 1 or decay_steps < 1:
         raise ValueError(f"lr_decay must lie in (0, 1] and decay_steps be >= 1, got {lr_decay} and "
                          f"{decay_steps}")
-    for stage in (model.part_encoder, model.decoder):    # frozen: no gradient, so no step moves it
-        stage.requires_grad_(not freeze_pcae)
+    for stage in PCAE_STAGES:                            # frozen: no gradient, so no step moves it
+        getattr(model, stage).requires_grad_(not freeze_pcae)
     if optimizer == "rmsprop":
         opt = FlatRMSprop(model, lr=lr, alpha=0.9, momentum=0.9, eps=0.1 / batch_size)
     elif optimizer == "adam":
@@ -424,7 +427,7 @@ def scae_from_pcae(path: Union[str, os.PathLike], config: Optional[SCAEConfig] =
             f"{k}={getattr(pcae.config, k)!r}" for k in differ) + "; this run asks for " +
             ", ".join(f"{k}={getattr(cfg, k)!r}" for k in differ))
     model = SCAE(cfg, seed=seed)
-    for stage in ("part_encoder", "decoder"):
+    for stage in PCAE_STAGES:
         getattr(model, stage).load_state_dict(getattr(pcae, stage).state_dict())
     return model.train()
 

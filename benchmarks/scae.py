@@ -2,6 +2,7 @@
 
     python benchmarks/scae.py --speed                       # batch 128 (official), against commit f0b714c
     python benchmarks/scae.py --speed --batch-size 32 --rounds 5
+    python benchmarks/scae.py --frozen                      # a frozen-PCAE step, image term or not
 
 The reference is the book's first version of the model (commit f0b714c, a temporary `git worktree`): a direct
 transcription of the official TensorFlow model (`F.affine_grid` for the placement, Eq. (10.5) through autograd as
@@ -13,8 +14,10 @@ The time of a step is the process's CPU time (one thread, the kernel's time on i
 whose other core is busy, wall-clock time measures the neighbours as much as the step; the wall-clock medians are
 reported beside it. By default each tree runs as it trains: the book's with its freed memory kept
 (`keep_freed_memory`, as `capsule-book train`), the reference with glibc's defaults; `--same-allocator` gives both
-the same allocator settings, to time the steps' arithmetic alone. Writes the result to
---out (JSON).
+the same allocator settings, to time the steps' arithmetic alone. --frozen times, in the book's tree
+alone, the step of the second stage (`scae_task(freeze_pcae=True)`: only the OCAE learns) computing the image
+likelihood, as it did before the frozen step left it out, against the step as it trains now, without it (the same
+gradients: tests/test_scae.py). Writes the result to --out (JSON).
 
 Training itself runs through the engine: `capsule-book train scae ...` (Chapter 11).
 """
@@ -43,6 +46,7 @@ import torch
 from capsule_book import scae
 from capsule_book.data import CanvasBatches, load_mnist
 steps, warmup, batch = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+mode = sys.argv[4] if len(sys.argv) > 4 else "whole"     # whole, frozen_image or frozen
 torch.set_flush_denormal(True)
 torch.manual_seed(0)
 model = scae.SCAE(seed=0)
@@ -52,11 +56,13 @@ model.eval()
 with torch.no_grad():
     loss0 = model(images).loss.item()          # the function check (no noise)
 model.train()
-opt = scae.scae_task(model, batch_size=batch, sample=True, eval_n=10).optimizer
+frozen = {} if mode == "whole" else {"freeze_pcae": True}
+opt = scae.scae_task(model, batch_size=batch, sample=True, eval_n=10, **frozen).optimizer
+kwargs = {} if mode == "whole" else {"image_likelihood": mode == "frozen_image"}
 def step():
-    out = model(images)
+    loss = model(images, **kwargs).loss
     opt.zero_grad(set_to_none=True)
-    out.loss.backward()
+    loss.backward()
     opt.step()
 for _ in range(warmup): step()
 cpu, wall = [], []
@@ -72,10 +78,10 @@ print(json.dumps({"ms": 1000 * cpu[len(cpu) // 2], "wall_ms": 1000 * wall[len(wa
 TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296"
 
 def round_of(tree: Path, steps: int, warmup: int, batch: int, threads: int,
-             same_allocator: bool = False) -> dict:
+             same_allocator: bool = False, mode: str = "whole") -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(threads)}
     if same_allocator: env["GLIBC_TUNABLES"] = TUNABLES
-    out = subprocess.run([sys.executable, "-c", SPEED_WORKER, str(steps), str(warmup), str(batch)],
+    out = subprocess.run([sys.executable, "-c", SPEED_WORKER, str(steps), str(warmup), str(batch), mode],
                          env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -116,9 +122,32 @@ def speed(reference: str, rounds: int, steps: int, warmup: int, batch: int, thre
             <= 1e-4 * abs(losses["reference"])}
 
 
+def frozen(rounds: int, steps: int, warmup: int, batch: int, threads: int) -> dict:
+    "The frozen-PCAE step with the image likelihood computed against without it, in this tree."
+    root = Path(__file__).resolve().parent.parent
+    modes = {"with_image_term": "frozen_image", "without": "frozen"}
+    runs = {name: [] for name in modes}
+    for r in range(rounds):
+        for name in (list(modes) if r % 2 == 0 else list(modes)[::-1]):
+            runs[name].append(round_of(root, steps, warmup, batch, threads, mode=modes[name]))
+        print(f"round {r + 1}: " + ", ".join(f"{n} {runs[n][-1]['ms']:.0f} ms" for n in modes),
+              file=sys.stderr)
+    ms = {n: statistics.median(x["ms"] for x in v) for n, v in runs.items()}
+    return {"what": "a training step of the second stage (PCAE frozen, only the OCAE learns)",
+            "batch_size": batch, "threads": threads, "rounds": rounds, "steps_per_round": steps,
+            "cpu": cpu_name(), "ms_per_step": {n: round(v, 1) for n, v in ms.items()},
+            "wall_ms_per_step": {n: round(statistics.median(x["wall_ms"] for x in v), 1)
+                                 for n, v in runs.items()},
+            "speedup": round(ms["with_image_term"] / ms["without"], 3),
+            "speedup_per_round": [round(a["ms"] / b["ms"], 3)
+                                  for a, b in zip(runs["with_image_term"], runs["without"])]}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--speed", action="store_true", help="time the training step against --reference")
+    p.add_argument("--frozen", action="store_true",
+                   help="time the frozen-PCAE step with and without the image likelihood")
     p.add_argument("--reference", default="f0b714c", help="the commit to time against (default f0b714c)")
     p.add_argument("--batch-size", type=int, default=128, help="official 128")
     p.add_argument("--rounds", type=int, default=5)
@@ -129,10 +158,13 @@ def main(argv=None) -> dict:
                    help="both trees with glibc's freed memory kept (GLIBC_TUNABLES), the steps alone")
     p.add_argument("--out", default=None, help="write the JSON here too")
     args = p.parse_args(argv)
-    if not args.speed:
-        p.error("nothing to do: pass --speed (training runs through `capsule-book train scae`)")
-    report = speed(args.reference, args.rounds, args.steps, args.warmup, args.batch_size, args.threads,
-                   args.same_allocator)
+    if args.speed == args.frozen:
+        p.error("pass one of --speed and --frozen (training runs through `capsule-book train scae`)")
+    if args.frozen:
+        report = frozen(args.rounds, args.steps, args.warmup, args.batch_size, args.threads)
+    else:
+        report = speed(args.reference, args.rounds, args.steps, args.warmup, args.batch_size,
+                       args.threads, args.same_allocator)
     print(json.dumps(report, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from typing import NamedTuple, Optional, Union
 
 import numpy as np
@@ -189,7 +190,7 @@ class SCAEOutput(NamedTuple):
     part_posterior: Tensor       # [B, N, K], p(k | x_n)
     votes: Tensor                # [B, K, N, 6], v_k,n
     vote_presence: Tensor        # [B, K, N], a_k a_k,n
-    image_log_likelihood: Tensor # [B], log p(y)
+    image_log_likelihood: Optional[Tensor]  # [B], log p(y) (None where not computed)
     part_log_likelihood: Tensor  # [B], Eq. (11.2)
 
 # %% ../nbs/11_ocae.ipynb #62a9fd63
@@ -217,7 +218,7 @@ class SCAE(nn.Module):
         self.op_static = nn.Parameter(torch.empty(K, N, 6).uniform_(-b, b, generator=g))
 
 # %% ../nbs/11_ocae.ipynb #ab2497ee
-def _scae_forward(self: SCAE, images: Tensor) -> SCAEOutput:
+def _scae_forward(self: SCAE, images: Tensor, image_likelihood: bool = True) -> SCAEOutput:
     cfg = self.config
     if images.dim() != 4 or images.shape[1:] != (1, cfg.canvas, cfg.canvas):
         raise ValueError(f"expected images [B, 1, {cfg.canvas}, {cfg.canvas}] in [0, 1], got "
@@ -230,7 +231,8 @@ def _scae_forward(self: SCAE, images: Tensor) -> SCAEOutput:
     pose = geometric_transform(pose_raw, similarity=False)   # Eq. (10.3): [B, N, 3, 3]
     x = pose[..., :2, :].flatten(-2)                                       # x_n: [B, N, 6]
     c = self.decoder.colours(z)                                            # γ_n: [B, N]
-    image_ll, ink, alpha = self.decoder(images, pose, d, c)                # Eq. (10.5)
+    image_ll = ink = alpha = None                    # Eq. (10.5), unless told to leave it out
+    if image_likelihood: image_ll, ink, alpha = self.decoder(images, pose, d, c)
     # the OCAE's input; gradients stopped but for the special features
     templates = (self.decoder.templates()[None, :, 0] * c[..., None, None]).flatten(-2)
     parts = torch.cat([x.detach(), 1 - d.detach()[..., None], z, templates.detach()], -1)
@@ -246,20 +248,21 @@ def _scae_forward(self: SCAE, images: Tensor) -> SCAEOutput:
     mass = post.sum(1)                                                     # [B, K]
     loss, losses = _scae_loss(cfg, image_ll, part_ll, v.op_dynamic, u, mass, post, B)  # Eq. (11.3)
     means = logits = rec = None                       # the whole mixture: for evaluation only
-    if not self.training: means, logits, rec = _scae_mixture(self, ink, alpha)
+    if not self.training and image_likelihood: means, logits, rec = _scae_mixture(self, ink, alpha)
     return SCAEOutput(loss, losses, u, mass, x, d, z, c, means, logits, rec, post, votes, a,
                       image_ll, part_ll)
 
 SCAE.forward = _scae_forward
 
 # %% ../nbs/11_ocae.ipynb #10563834
-def _scae_loss(cfg: SCAEConfig, image_ll: Tensor, part_ll: Tensor, op_dynamic: Tensor,
+def _scae_loss(cfg: SCAEConfig, image_ll: Optional[Tensor], part_ll: Tensor, op_dynamic: Tensor,
                u: Tensor, mass: Tensor, post: Tensor, B: int) -> tuple[Tensor, dict]:
-    "The loss of Eq. (11.3) [], and its terms before their weights."
-    losses = {"image_nll": -image_ll.mean(), "part_nll": -part_ll.mean(),
+    "The loss of Eq. (11.3) [], and its terms before their weights (no image term for `None`)."
+    image = {} if image_ll is None else {"image_nll": -image_ll.mean()}
+    losses = {**image, "part_nll": -part_ll.mean(),
               "dynamic_l2": 0.5 * op_dynamic.pow(2).sum() / B,
               **sparsity_losses(u, mass / post.shape[1], cfg.n_classes, cfg.prior_within_constant)}
-    loss = (losses["image_nll"] + cfg.part_ll_weight * losses["part_nll"]    # Eq. (11.3)
+    loss = (losses.get("image_nll", 0.0) + cfg.part_ll_weight * losses["part_nll"]  # Eq. (11.3)
             + sum(getattr(cfg, k) * losses[k] for k in ("dynamic_l2", "prior_within",
                                                         "prior_between", "posterior_within",
                                                         "posterior_between")))
@@ -278,9 +281,10 @@ def _scae_mixture(self: SCAE, ink: Tensor, alpha: Tensor) -> tuple[Tensor, Tenso
 PCAE_STAGES = ("part_encoder", "decoder")
 
 # %% ../nbs/11_ocae.ipynb #5cb1a7e2
-def _scae_batch_loss(net: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, dict]:
+def _scae_batch_loss(net: nn.Module, batch: tuple[Tensor, Tensor],
+                     image_likelihood: bool = True) -> tuple[Tensor, dict]:
     "One training batch's loss (Eq. 11.3) and its terms; a non-finite loss stops the run."
-    out = net(batch[0])
+    out = net(batch[0], image_likelihood=image_likelihood)
     if not torch.isfinite(out.loss):
         terms = ", ".join(f"{k} {v.item():.4g}" for k, v in out.losses.items())
         raise FloatingPointError(f"the loss is not finite ({terms})")
@@ -317,7 +321,8 @@ def scae_task(model: SCAE, batch_size: int = 128, lr: float = 3e-5, optimizer: s
     config = dict(model=scae_run_config(model.config), batch_size=batch_size, lr=lr,
                   optimizer=optimizer, lr_decay=lr_decay, decay_steps=decay_steps, seed=seed,
                   sample=sample, average=average, **({"freeze_pcae": True} if freeze_pcae else {}))
-    return Task("scae", config, model, opt, EpochStream(train), _scae_batch_loss,
+    step_loss = partial(_scae_batch_loss, image_likelihood=not freeze_pcae)  # frozen: a constant
+    return Task("scae", config, model, opt, EpochStream(train), step_loss,
                 lambda s: lr * lr_decay ** (s / decay_steps),
                 evaluate=lambda m: evaluate_scae(m, ev_train, ev_test, n_init=3),
                 resume_command=resume_command or "train_scae(..., resume=True)", average=average)

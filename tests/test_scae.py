@@ -300,6 +300,41 @@ def test_freeze_pcae_trains_the_ocae_alone(tmp_path):
         assert torch.equal(resumed.model.state_dict()[k], before[k]), k
 
 
+def test_frozen_step_leaves_out_the_image_term_and_learns_the_same(tmp_path):
+    """With the PCAE frozen, the image likelihood is a constant: leaving it out changes the loss by
+    exactly its image term and no gradient; scae_task(freeze_pcae=True) leaves it out, and its rows say so."""
+    from capsule_book.scae import PCAE_STAGES, scae_task
+    model = SCAE(SCAEConfig(**SMALL))
+    for stage in PCAE_STAGES:
+        getattr(model, stage).requires_grad_(False)
+    x, y = load_mnist(True, sample=True)
+    images, _ = next(iter(CanvasBatches(x[:8], y[:8], batch_size=8, shuffle=True, seed=3)))
+    def step(image_likelihood):
+        model.zero_grad()
+        torch.manual_seed(5)                                  # the same part and object noise
+        out = model(images, image_likelihood=image_likelihood)
+        out.loss.backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    (whole, g_whole), (frozen, g_frozen) = step(True), step(False)
+    assert "image_nll" not in frozen.losses and frozen.image_log_likelihood is None
+    assert whole.losses["image_nll"].item() > 0
+    assert torch.allclose(whole.loss - whole.losses["image_nll"], frozen.loss, rtol=0, atol=1e-3)
+    assert g_whole.keys() == g_frozen.keys() and len(g_whole) > 0
+    for n in g_whole:
+        assert torch.equal(g_whole[n], g_frozen[n]), n
+    # in evaluation mode, no mixture without the image term; with it, the reconstruction
+    model.eval()
+    assert model(images, image_likelihood=False).reconstruction is None
+    assert model(images).reconstruction.shape == images.shape
+    # the task: frozen rows carry no image term, unfrozen ones do
+    for freeze in (True, False):
+        task = scae_task(SCAE(SCAEConfig(**SMALL)), batch_size=4, sample=True, eval_n=20,
+                         freeze_pcae=freeze)
+        batch = next(iter(CanvasBatches(x[:4], y[:4], batch_size=4)))
+        _, terms = task.loss(task.model.train(), batch)
+        assert ("image_nll" in terms) == (not freeze)
+
+
 def test_two_stages_through_the_command_line(tmp_path, capsys):
     "train scae --pcae-only, then --from-pcae (frozen or not); each resumes; wrong starts refused in one line."
     from capsule_book import cli

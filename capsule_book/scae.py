@@ -24,9 +24,9 @@ from .train import (EpochStream, RunResult, Task, UserError, fit, load_checkpoin
                                 trained_weights)
 
 # %% auto #0
-__all__ = ['PCAE_STAGES', 'PCAE_ONLY', 'presence_attention', 'PresenceSAB', 'PartSetEncoder', 'part_pose_likelihood',
-           'SCAEConfig', 'scae_run_config', 'SCAEOutput', 'SCAE', 'scae_task', 'train_scae', 'load_scae',
-           'scae_features', 'kmeans_accuracy', 'linear_probe_accuracy', 'evaluate_scae', 'scae_from_pcae',
+__all__ = ['PCAE_STAGES', 'PCAE_FIELDS', 'PCAE_ONLY', 'presence_attention', 'PresenceSAB', 'PartSetEncoder',
+           'part_pose_likelihood', 'SCAEConfig', 'scae_run_config', 'SCAEOutput', 'SCAE', 'scae_task', 'train_scae',
+           'load_scae', 'scae_features', 'kmeans_accuracy', 'linear_probe_accuracy', 'evaluate_scae', 'scae_from_pcae',
            'plot_scae_parts', 'plot_object_capsules', 'plot_tsne_confusion']
 
 # %% ../nbs/11_ocae.ipynb #e946a489
@@ -277,8 +277,10 @@ def _scae_mixture(self: SCAE, ink: Tensor, alpha: Tensor) -> tuple[Tensor, Tenso
     logits = torch.cat([alpha, bg_logit.expand(B_, 1, H, W)], 1)
     return means, logits, mixture_mode(means, logits)
 
-# the SCAE's modules that make up the PCAE (Chapter 10): trained alone, kept, or frozen as a whole
+# the SCAE's modules that make up the PCAE (Chapter 10): trained alone, kept, or frozen as a whole,
+# and the settings they are built from (tests/test_scae.py: no other setting changes them)
 PCAE_STAGES = ("part_encoder", "decoder")
+PCAE_FIELDS = ("canvas", "n_parts", "template_size", "n_part_features", "part_layout", "colorize")
 
 # %% ../nbs/11_ocae.ipynb #5cb1a7e2
 def _scae_batch_loss(net: nn.Module, batch: tuple[Tensor, Tensor],
@@ -425,8 +427,7 @@ def scae_from_pcae(path: Union[str, os.PathLike], config: Optional[SCAEConfig] =
     official = {k: getattr(SCAEConfig(), k) for k in PCAE_ONLY}
     cfg = config or replace(pcae.config, **official)
     # the PCAE's own sizes must agree; the OCAE is new and may have any
-    differ = [k for k in ("canvas", "n_parts", "template_size", "n_part_features", "part_layout",
-                          "colorize") if getattr(cfg, k) != getattr(pcae.config, k)]
+    differ = [k for k in PCAE_FIELDS if getattr(cfg, k) != getattr(pcae.config, k)]
     if differ:
         raise UserError(f"{path} holds a PCAE with " + ", ".join(
             f"{k}={getattr(pcae.config, k)!r}" for k in differ) + "; this run asks for " +

@@ -335,6 +335,42 @@ def test_frozen_step_leaves_out_the_image_term_and_learns_the_same(tmp_path):
         assert ("image_nll" in terms) == (not freeze)
 
 
+def test_pcae_fields_are_the_settings_the_pcae_is_built_from():
+    """PCAE_FIELDS (what scae_from_pcae compares) holds every setting the PCAE's modules depend on:
+    changing any other leaves their weights and outputs as they were; changing one of them does not."""
+    from dataclasses import fields, replace
+    from capsule_book.scae import PCAE_FIELDS, PCAE_STAGES
+    other_text = {"presence_mask": "log", "part_layout": "official"}
+    def changed(cfg, name):
+        v = getattr(cfg, name)
+        if isinstance(v, bool): return replace(cfg, **{name: not v})
+        if isinstance(v, int): return replace(cfg, **{name: v + 1})
+        if isinstance(v, float): return replace(cfg, **{name: v * 0.5 + 0.01})
+        if v is None: return replace(cfg, **{name: 1.5})
+        assert name in other_text, f"no other value of {name} to try: add one to other_text"
+        return replace(cfg, **{name: other_text[name]})
+    def pcae_of(cfg):
+        torch.manual_seed(0)
+        model = SCAE(cfg, seed=0).eval()
+        x, y = load_mnist(True, sample=True)
+        images = place_on_canvas(x[:3].float() / 255, torch.full((3, 2), 4), cfg.canvas)
+        with torch.no_grad():
+            pose_raw, z, logit = model.part_encoder(images)
+            pose = geometric_transform(pose_raw, similarity=False)
+            d, c = torch.sigmoid(logit), model.decoder.colours(z)
+            ll = model.decoder(images, pose, d, c)[0]
+        state = {(s, k): v for s in PCAE_STAGES for k, v in getattr(model, s).state_dict().items()}
+        return state, [pose_raw, z, logit, c, ll]
+    base = SCAEConfig(**SMALL)
+    state0, out0 = pcae_of(base)
+    same = lambda a, b: a.shape == b.shape and torch.equal(a, b)
+    for f in fields(SCAEConfig):
+        state, out = pcae_of(changed(base, f.name))
+        unchanged = (state.keys() == state0.keys() and all(same(state[k], state0[k]) for k in state)
+                     and all(same(a, b) for a, b in zip(out, out0)))
+        assert unchanged == (f.name not in PCAE_FIELDS), f.name
+
+
 def test_two_stages_through_the_command_line(tmp_path, capsys):
     "train scae --pcae-only, then --from-pcae (frozen or not); each resumes; wrong starts refused in one line."
     from capsule_book import cli

@@ -360,7 +360,7 @@ def scae_features(model: SCAE, batches) -> dict:
     prior, post, labels = [], [], []
     try:
         for x, y in batches:
-            out = model(x)
+            out = model(x, image_likelihood=False)         # the presences need no image term
             prior.append(out.object_presence.cpu()); post.append(out.posterior_presence.cpu())
             labels.append(y.cpu())
     finally:

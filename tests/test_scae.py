@@ -324,8 +324,10 @@ def test_frozen_step_leaves_out_the_image_term_and_learns_the_same(tmp_path):
         assert torch.equal(g_whole[n], g_frozen[n]), n
     # in evaluation mode, no mixture without the image term; with it, the reconstruction
     model.eval()
-    assert model(images, image_likelihood=False).reconstruction is None
-    assert model(images).reconstruction.shape == images.shape
+    lean, whole = model(images, image_likelihood=False), model(images)
+    assert lean.reconstruction is None and whole.reconstruction.shape == images.shape
+    for k in ("object_presence", "posterior_presence"):              # what evaluation reads
+        assert torch.equal(getattr(lean, k), getattr(whole, k)), k
     # the task: frozen rows carry no image term, unfrozen ones do
     for freeze in (True, False):
         task = scae_task(SCAE(SCAEConfig(**SMALL)), batch_size=4, sample=True, eval_n=20,

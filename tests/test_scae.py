@@ -415,3 +415,26 @@ def test_two_stages_through_the_command_line(tmp_path, capsys):
     assert e.value.code == 2 and "--prior-between" in capsys.readouterr().err
 
 
+
+
+def test_learning_curve_figure_reads_the_evaluations(tmp_path, capsys):
+    "benchmarks/scae_curves.py: only evaluation rows are drawn; the best prior accuracy is reported."
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import scae_curves
+    rows = [{"step": 100, "epoch": 0.2, "loss": 1.0, "elapsed_s": 60.0},
+            {"step": 200, "epoch": 0.4, "loss": 0.9, "elapsed_s": 120.0, "eval_prior_test": 0.4,
+             "eval_posterior_test": 0.5},
+            {"step": 300, "epoch": 0.6, "loss": 0.8, "elapsed_s": 180.0, "eval_prior_test": 0.3,
+             "eval_posterior_test": 0.6}]
+    f = tmp_path / "scae_toy.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "scae_none.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    runs = scae_curves.main([str(f), str(tmp_path / "scae_none.jsonl"), "--out", str(tmp_path / "c.png")])
+    assert list(runs) == ["toy"] and [r["step"] for r in runs["toy"]] == [200, 300]
+    out = capsys.readouterr().out
+    assert "last step 300 prior / posterior 0.300 / 0.600; best prior 0.400 at step 200" in out
+    assert (tmp_path / "c.png").stat().st_size > 10_000
+    with pytest.raises(SystemExit):
+        scae_curves.main([str(tmp_path / "scae_none.jsonl"), "--out", str(tmp_path / "d.png")])

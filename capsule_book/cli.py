@@ -667,6 +667,7 @@ def scae_eval_arguments(p: argparse.ArgumentParser) -> None:
                    help="the shipped sample's 2,000 training and 1,000 test digits")
     p.add_argument("--data-root", default=None)
     p.add_argument("--batch-size", type=positive, default=500)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 @register("eval", "scae", scae_eval_arguments,
           help="unsupervised MNIST accuracy of an SCAE checkpoint or shipped weights")
@@ -674,18 +675,21 @@ def eval_scae_command(args: argparse.Namespace) -> int:
     """`capsule-book eval scae`: K-means accuracy of the object presences (random placement and
     centred test digits), printed as JSON."""
     from capsule_book.data import CanvasBatches, load_mnist
-    from capsule_book.scae import evaluate_scae, load_scae
+    from capsule_book.scae import load_scae, scae_features, score_presences
     model, source, config = load_for_eval(args, "scae", load_scae)
     canvas, dev = model.config.canvas, next(model.parameters()).device
     x_tr, y_tr = load_mnist(True, root=args.data_root, limit=args.n_train, sample=args.sample)
     x_te, y_te = load_mnist(False, root=args.data_root, limit=args.n_test, sample=args.sample)
     batches = lambda x, y, seed, shift=True: CanvasBatches(x, y, args.batch_size, canvas,
                                                            shift=shift, seed=seed, device=dev)
-    train = batches(x_tr, y_tr, 10_001)
+    bar = lambda what: "" if args.no_progress else what
+    # the training digits' presences once, for both test sets
+    train = scae_features(model, batches(x_tr, y_tr, 10_001), bar("training digits"))
     result = {**source, "n_train": len(y_tr), "n_test": len(y_te)}
     for name, test in (("shifted", batches(x_te, y_te, 10_002)),
                        ("centred", batches(x_te, y_te, 0, shift=False))):
-        scores = evaluate_scae(model, train, test, probe=args.probe)
+        scores = score_presences(train, scae_features(model, test, bar(f"{name} test digits")),
+                                 probe=args.probe)
         result.update({f"{name}_{k}": round(v, 4) for k, v in scores.items()})
     print(json.dumps(result))
     return 0

@@ -20,14 +20,14 @@ from .data import CanvasBatches, load_mnist
 from .gmm import check_background, gaussian_log_density
 from .pcae import PartEncoder, TemplateDecoder, glorot_bound, mixture_mode, sonnet_init
 from .set_transformer import RFF, Multihead
-from .train import (EpochStream, RunResult, Task, UserError, fit, load_checkpoint,
-                                trained_weights)
+from .train import (EpochStream, RunResult, Task, UserError, _bar, fit,
+                                load_checkpoint, trained_weights)
 
 # %% auto #0
 __all__ = ['PCAE_STAGES', 'PCAE_FIELDS', 'PCAE_ONLY', 'presence_attention', 'PresenceSAB', 'PartSetEncoder',
            'part_pose_likelihood', 'SCAEConfig', 'scae_run_config', 'SCAEOutput', 'SCAE', 'scae_task', 'train_scae',
-           'load_scae', 'scae_features', 'kmeans_accuracy', 'linear_probe_accuracy', 'evaluate_scae', 'scae_from_pcae',
-           'plot_scae_parts', 'plot_object_capsules', 'plot_tsne_confusion']
+           'load_scae', 'scae_features', 'kmeans_accuracy', 'linear_probe_accuracy', 'score_presences', 'evaluate_scae',
+           'scae_from_pcae', 'plot_scae_parts', 'plot_object_capsules', 'plot_tsne_confusion']
 
 # %% ../nbs/11_ocae.ipynb #e946a489
 def presence_attention(mh: Multihead, X: Tensor, Y: Tensor, presence: Tensor,
@@ -353,17 +353,21 @@ def load_scae(path: Union[str, os.PathLike],
 
 # %% ../nbs/11_ocae.ipynb #878eff49
 @torch.no_grad()
-def scae_features(model: SCAE, batches) -> dict:
-    "Prior and posterior object presences [n, K] and labels [n] of every batch, as numpy arrays."
+def scae_features(model: SCAE, batches, progress: str = "") -> dict:
+    """Prior and posterior object presences [n, K] and labels [n] of every batch, as numpy arrays
+    (`progress`: a progress bar of that name)."""
     was = model.training
     model.eval()
     prior, post, labels = [], [], []
+    bar = _bar(len(batches) if hasattr(batches, "__len__") else None, 0, bool(progress), progress)
     try:
         for x, y in batches:
             out = model(x, image_likelihood=False)         # the presences need no image term
             prior.append(out.object_presence.cpu()); post.append(out.posterior_presence.cpu())
             labels.append(y.cpu())
+            bar.update(1)
     finally:
+        bar.close()
         model.train(was)
     as_np = lambda t: torch.cat(t).double().numpy()
     return {"prior": as_np(prior), "posterior": as_np(post), "label": torch.cat(labels).numpy()}
@@ -400,16 +404,21 @@ def linear_probe_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.n
     clf = LogisticRegression(max_iter=2000).fit(train_x, train_y)
     return float(clf.score(test_x, test_y))
 
-def evaluate_scae(model: SCAE, train_batches, test_batches, n_init: int = 10,
-                  probe: bool = False) -> dict:
-    "K-means accuracies (and, with `probe`, linear-probe accuracy) of both presence vectors."
-    tr, te = scae_features(model, train_batches), scae_features(model, test_batches)
+def score_presences(tr: dict, te: dict, n_init: int = 10, probe: bool = False) -> dict:
+    """K-means accuracies (and, with `probe`, linear-probe accuracy) of both presence vectors of
+    `scae_features` of training digits (tr) and test digits (te)."""
     res = {}
     for f in ("prior", "posterior"):
         acc = kmeans_accuracy(tr[f], tr["label"], te[f], te["label"], n_init=n_init)
         res.update({f"{f}_{k}": v for k, v in acc.items()})
         if probe: res[f"{f}_probe"] = linear_probe_accuracy(tr[f], tr["label"], te[f], te["label"])
     return res
+
+def evaluate_scae(model: SCAE, train_batches, test_batches, n_init: int = 10,
+                  probe: bool = False) -> dict:
+    "`score_presences` of the model's presences on the training and the test batches."
+    return score_presences(scae_features(model, train_batches),
+                           scae_features(model, test_batches), n_init, probe)
 
 # %% ../nbs/11_ocae.ipynb #ecedbaf9
 # Eq. (11.3) with every OCAE term weighed 0: the image likelihood alone trains the PCAE

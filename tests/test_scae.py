@@ -239,10 +239,17 @@ def test_command_line_and_shipped_weights(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["train", "scae", "--steps", "2", "--average", "1.5", "--out", str(tmp_path / "x"), *small])
     assert e.value.code == 2 and "--average must lie in [0, 1)" in capsys.readouterr().err
-    assert cli.main(["eval", "scae", "--checkpoint", str(out / "last.pt"), "--sample", "--n-train", "300",
-                     "--n-test", "200", "--device", "cpu"]) == 0
-    scores = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ev = ["eval", "scae", "--checkpoint", str(out / "last.pt"), "--sample", "--n-train", "300",
+          "--n-test", "200", "--device", "cpu"]
+    assert cli.main(ev) == 0
+    said = capsys.readouterr()
+    scores = json.loads(said.out.strip().splitlines()[-1])
     assert scores["n_train"] == 300 and 0 <= scores["centred_prior_test"] <= 1
+    # a progress bar per set of digits, on stderr; none with --no-progress, and the same scores
+    assert all(f"{s} digits" in said.err for s in ("training", "shifted test", "centred test"))
+    assert cli.main(ev + ["--no-progress"]) == 0
+    quiet = capsys.readouterr()
+    assert "digits" not in quiet.err and json.loads(quiet.out.strip().splitlines()[-1]) == scores
     weights.ship(out / "last.pt", "tiny-scae", "capsule-book train scae ...", {"test_accuracy": 0.1},
                  dtype="float16", folder=tmp_path / "w")
     model = weights.load("tiny-scae", folder=tmp_path / "w")

@@ -24,7 +24,7 @@ from .train import (EpochStream, RunResult, Task, UserError, _bar, fit,
                                 load_checkpoint, trained_weights)
 
 # %% auto #0
-__all__ = ['PCAE_STAGES', 'PCAE_FIELDS', 'PCAE_ONLY', 'presence_attention', 'PresenceSAB', 'PartSetEncoder',
+__all__ = ['PCAE_STAGES', 'PCAE_FIELDS', 'PCAE_ONLY', 'presence_attention', 'attend_by_presence', 'PresenceSAB', 'PartSetEncoder',
            'part_pose_likelihood', 'SCAEConfig', 'scae_run_config', 'SCAEOutput', 'SCAE', 'scae_task', 'train_scae',
            'load_scae', 'scae_features', 'kmeans_accuracy', 'linear_probe_accuracy', 'score_presences', 'evaluate_scae',
            'scae_from_pcae', 'plot_scae_parts', 'plot_object_capsules', 'plot_tsne_confusion']
@@ -35,7 +35,11 @@ def presence_attention(mh: Multihead, X: Tensor, Y: Tensor, presence: Tensor,
     """Multihead(X, Y, Y) of Chapter 5 with keys weighed by their presence [B, m] in [0, 1]:
     'official' subtracts (1 - δ) 1e32 from the scores (Eq. 11.1), 'log' adds log δ.
     -> [B, n, dim]."""
-    Qh, Kh, Vh = mh.heads(X, Y, Y)                                    # [B, h, n|m, dim/h]
+    return attend_by_presence(mh, *mh.heads(X, Y, Y), presence, mask)
+
+def attend_by_presence(mh: Multihead, Qh: Tensor, Kh: Tensor, Vh: Tensor, presence: Tensor,
+                       mask: str = "official") -> Tensor:
+    "`presence_attention` from the per-head projections Qh, Kh, Vh [B, h, n|m, dim/h]."
     scores = Qh @ Kh.mT                                               # [B, h, n, m]
     if mask == "official":
         scores = (scores - (1 - presence)[:, None, None, :] * 1e32) / math.sqrt(mh.score_scale)
@@ -79,6 +83,7 @@ class PartSetEncoder(nn.Module):
         b = glorot_bound((1, n_objects, dim_out))
         self.queries = nn.Parameter(torch.empty(1, n_objects, dim_out).uniform_(-b, b))
         self.readout = Multihead(dim_out, dim_out, dim_out, n_heads)
+        self.composed = True          # the readout's keys and values by Eq. (11.1a); False: in two
         sonnet_init(self)
 
     def forward(self, parts: Tensor, presence: Tensor) -> Tensor:
@@ -89,7 +94,24 @@ class PartSetEncoder(nn.Module):
         for sab in self.sabs:
             h = sab(h, presence)
         # the same K queries for every image: projected once, broadcast over the batch
-        return presence_attention(self.readout, self.queries, self.z(h), presence, self.mask)
+        if not self.composed:
+            return presence_attention(self.readout, self.queries, self.z(h), presence, self.mask)
+        return attend_by_presence(self.readout, *self.readout_heads(h), presence, self.mask)
+
+# %% ../nbs/11_ocae.ipynb #25237d56
+def _part_set_encoder_readout_heads(self: PartSetEncoder, h: Tensor
+                                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """The readout's per-head queries [1, h, K, d] and keys and values [B, h, N, d] of the last
+    block's output h [B, N, dim], the keys and values by Eq. (11.1a)."""
+    mh = self.readout
+    split = lambda t: t.unflatten(-1, (mh.h, mh.dim // mh.h)).transpose(1, 2)
+    W = torch.cat([mh.W_K.weight, mh.W_V.weight])                      # [2 dim_out, dim_out]
+    kv = F.linear(h, W @ self.z.weight, W @ self.z.bias + torch.cat([mh.W_K.bias, mh.W_V.bias]))
+    k, v = kv.chunk(2, -1)                                             # each [B, N, dim_out]
+    return split(mh.W_Q(self.queries)), split(k), split(v)
+
+PartSetEncoder.readout_heads = _part_set_encoder_readout_heads
+
 
 # %% ../nbs/11_ocae.ipynb #355a42e9
 def part_pose_likelihood(x: Tensor, presence: Tensor, votes: Tensor, scales: Tensor, log_a: Tensor,

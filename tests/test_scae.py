@@ -131,6 +131,29 @@ def test_presence_masks():
         presence_attention(mh, X, X, d, "hard")
 
 
+def test_readout_keys_and_values_in_one_map_are_the_two_maps():
+    "Eq. (11.1a): PartSetEncoder.composed gives the two-map output and gradients, under both masks."
+    from capsule_book.scae import PartSetEncoder
+    torch.manual_seed(0)
+    parts, pres = torch.randn(3, 7, 20), torch.rand(3, 7)
+    pres[0, :2] = 1.0                                            # fully present parts for the hard mask
+    for mask in ("official", "log"):
+        enc = PartSetEncoder(20, n_objects=6, dim=16, n_heads=2, dim_out=32, mask=mask)
+        w = torch.randn(3, 6, 32)
+        def run(composed):
+            enc.composed = composed
+            enc.zero_grad()
+            out = enc(parts, pres)
+            (out * w).sum().backward()
+            return out.detach(), {n: p.grad.clone() for n, p in enc.named_parameters()}
+        (one, g_one), (two, g_two) = run(True), run(False)
+        torch.testing.assert_close(one, two, rtol=1e-5, atol=1e-5)
+        assert one.abs().max() > 0.1
+        for n in g_two:
+            torch.testing.assert_close(g_one[n], g_two[n], rtol=1e-4, atol=1e-5, msg=n)
+        assert g_one["z.weight"].abs().max() > 0 and g_one["readout.W_K.weight"].abs().max() > 0
+
+
 def test_part_likelihood_is_chapter_7_plus_log_normaliser():
     torch.manual_seed(5)
     B, K, N = 3, 4, 6

@@ -104,11 +104,9 @@ def _part_set_encoder_readout_heads(self: PartSetEncoder, h: Tensor
     """The readout's per-head queries [1, h, K, d] and keys and values [B, h, N, d] of the last
     block's output h [B, N, dim], the keys and values by Eq. (11.1a)."""
     mh = self.readout
-    split = lambda t: t.unflatten(-1, (mh.h, mh.dim // mh.h)).transpose(1, 2)
-    W = torch.cat([mh.W_K.weight, mh.W_V.weight])                      # [2 dim_out, dim_out]
-    kv = F.linear(h, W @ self.z.weight, W @ self.z.bias + torch.cat([mh.W_K.bias, mh.W_V.bias]))
-    k, v = kv.chunk(2, -1)                                             # each [B, N, dim_out]
-    return split(mh.W_Q(self.queries)), split(k), split(v)
+    W, b = mh.stacked((mh.W_K, mh.W_V))                                # [2 dim_out, dim_out]
+    k, v = F.linear(h, W @ self.z.weight, W @ self.z.bias + b).chunk(2, -1)  # each [B, N, dim_out]
+    return mh.split(mh.W_Q(self.queries)), mh.split(k), mh.split(v)
 
 PartSetEncoder.readout_heads = _part_set_encoder_readout_heads
 

@@ -85,10 +85,13 @@ class Multihead(nn.Module):
         # scores ÷ √scale_dim; None: each head's width dim/h, Eq. (3); dim: the authors' code
         self.scale_dim: Optional[int] = None
 
+    def split(self, t: Tensor) -> Tensor:
+        "A projection [B, rows, dim] as its h heads side by side: [B, h, rows, dim/h]."
+        return t.unflatten(-1, (self.h, self.dim // self.h)).transpose(1, 2)
+
     def heads(self, Q: Tensor, K: Tensor, V: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         "The per-head projections QW^Q_j, KW^K_j, VW^V_j, each [B, h, rows, dim/h]."
-        split = lambda t: t.unflatten(-1, (self.h, self.dim // self.h)).transpose(1, 2)
-        return split(self.W_Q(Q)), split(self.W_K(K)), split(self.W_V(V))
+        return self.split(self.W_Q(Q)), self.split(self.W_K(K)), self.split(self.W_V(V))
 
     @staticmethod
     def stacked(layers) -> tuple[Tensor, Tensor]:
@@ -105,7 +108,6 @@ def _multihead_fused_heads(self: Multihead, Q: Tensor, K: Tensor,
                            V: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """`heads`, with one matrix product for the projections of one input
     (K = V; in a SAB, Q = K = V too)."""
-    split = lambda t: t.unflatten(-1, (self.h, self.dim // self.h)).transpose(1, 2)
     lin = (self.W_Q, self.W_K, self.W_V)
     if Q is K and K is V: layers, inputs = [lin], [Q]
     elif K is V: layers, inputs = [lin[:1], lin[1:]], [Q, K]
@@ -113,7 +115,7 @@ def _multihead_fused_heads(self: Multihead, Q: Tensor, K: Tensor,
     out = []
     for group, x in zip(layers, inputs):
         y = F.linear(x, *self.stacked(group))                     # one GEMM per input
-        out += [split(t) for t in y.chunk(len(group), -1)]
+        out += [self.split(t) for t in y.chunk(len(group), -1)]
     return tuple(out)
 
 Multihead.fused_heads = _multihead_fused_heads

@@ -88,6 +88,22 @@ def round_of(tree: Path, steps: int, warmup: int, batch: int, threads: int,
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def rotating_rounds(runners: dict, rounds: int) -> dict:
+    """Each runner (name -> a function giving one round's result) once a round, the order reversed
+    every other round: name -> its rounds' results."""
+    runs = {name: [] for name in runners}
+    for r in range(rounds):
+        for name in (list(runners) if r % 2 == 0 else list(runners)[::-1]):
+            runs[name].append(runners[name]())
+        print(f"round {r + 1}: " + ", ".join(f"{n} {runs[n][-1]['ms']:.0f} ms" for n in runners),
+              file=sys.stderr)
+    return runs
+
+
+def ratio_per_round(slow: list, fast: list) -> list:
+    return [round(a["ms"] / b["ms"], 3) for a, b in zip(slow, fast)]
+
+
 def speed(reference: str, rounds: int, steps: int, warmup: int, batch: int, threads: int,
           same_allocator: bool = False) -> dict:
     root = Path(__file__).resolve().parent.parent
@@ -97,14 +113,9 @@ def speed(reference: str, rounds: int, steps: int, warmup: int, batch: int, thre
                        check=True, capture_output=True)
         try:
             trees = {"reference": ref_tree, "book": root}
-            runs = {name: [] for name in trees}
-            for r in range(rounds):
-                order = list(trees) if r % 2 == 0 else list(trees)[::-1]
-                for name in order:
-                    runs[name].append(round_of(trees[name], steps, warmup, batch, threads,
-                                               same_allocator))
-                print(f"round {r + 1}: " + ", ".join(f"{n} {runs[n][-1]['ms']:.0f} ms" for n in trees),
-                      file=sys.stderr)
+            runs = rotating_rounds({name: (lambda t=tree: round_of(t, steps, warmup, batch, threads,
+                                                                   same_allocator))
+                                    for name, tree in trees.items()}, rounds)
         finally:
             subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(ref_tree)],
                            check=False, capture_output=True)
@@ -118,8 +129,7 @@ def speed(reference: str, rounds: int, steps: int, warmup: int, batch: int, thre
             "wall_ms_per_step": {n: round(statistics.median(x["wall_ms"] for x in v), 1)
                                  for n, v in runs.items()},
             "speedup": round(ms["reference"] / ms["book"], 3),
-            "speedup_per_round": [round(a["ms"] / b["ms"], 3)
-                                  for a, b in zip(runs["reference"], runs["book"])],
+            "speedup_per_round": ratio_per_round(runs["reference"], runs["book"]),
             "loss": losses, "same_loss": abs(losses["reference"] - losses["book"])
             <= 1e-4 * abs(losses["reference"])}
 
@@ -129,12 +139,9 @@ def frozen(rounds: int, steps: int, warmup: int, batch: int, threads: int) -> di
     with the readout's keys and values in two maps against one, in this tree."""
     root = Path(__file__).resolve().parent.parent
     modes = {"with_image_term": "frozen_image", "without": "frozen", "two_maps": "frozen_two_maps"}
-    runs = {name: [] for name in modes}
-    for r in range(rounds):
-        for name in (list(modes) if r % 2 == 0 else list(modes)[::-1]):      # rotating order
-            runs[name].append(round_of(root, steps, warmup, batch, threads, mode=modes[name]))
-        print(f"round {r + 1}: " + ", ".join(f"{n} {runs[n][-1]['ms']:.0f} ms" for n in modes),
-              file=sys.stderr)
+    runs = rotating_rounds({name: (lambda m=mode: round_of(root, steps, warmup, batch, threads,
+                                                           mode=m))
+                            for name, mode in modes.items()}, rounds)
     ms = {n: statistics.median(x["ms"] for x in v) for n, v in runs.items()}
     return {"what": "a training step of the second stage (PCAE frozen, only the OCAE learns)",
             "batch_size": batch, "threads": threads, "rounds": rounds, "steps_per_round": steps,
@@ -142,11 +149,9 @@ def frozen(rounds: int, steps: int, warmup: int, batch: int, threads: int) -> di
             "wall_ms_per_step": {n: round(statistics.median(x["wall_ms"] for x in v), 1)
                                  for n, v in runs.items()},
             "speedup": round(ms["with_image_term"] / ms["without"], 3),
-            "speedup_per_round": [round(a["ms"] / b["ms"], 3)
-                                  for a, b in zip(runs["with_image_term"], runs["without"])],
+            "speedup_per_round": ratio_per_round(runs["with_image_term"], runs["without"]),
             "composed_speedup": round(ms["two_maps"] / ms["without"], 3),
-            "composed_speedup_per_round": [round(a["ms"] / b["ms"], 3)
-                                           for a, b in zip(runs["two_maps"], runs["without"])]}
+            "composed_speedup_per_round": ratio_per_round(runs["two_maps"], runs["without"])}
 
 
 def main(argv=None) -> dict:

@@ -1,9 +1,13 @@
 """Issue 29's diagnostic of a PCAE's parts: `--inspect CHECKPOINT` prints what tells a collapse from parts (the mean
 centred cosine of the templates' ink and of their alpha logits, the spread of the part poses across parts on 64 test
 digits, presences, the alpha logits' range) and, with --figures DIR, draws the templates, their alpha logits and the
-parts of six digits:
+parts of six digits; with --parts N, how much of the digits' class the part capsules carry: K-means (10 clusters,
+Hungarian matching, as the SCAE's presences are scored) and a linear probe on N training and N test digits' part
+presences, poses with presences, special features, and all three (each number standardised on the training digits),
+and the mean number of parts present above 0.5 -- what an OCAE on these parts has to work with:
 
     python benchmarks/scae_pcae_only.py --inspect runs/scae-pcae-only-lr3e-4/last.pt --figures /tmp/figures
+    python benchmarks/scae_pcae_only.py --inspect runs/scae-pcae-only-lr3e-4/last.pt --parts 5000
 
 The two stages it was written for are options of the engine now (Chapter 11, *Two stages*):
 
@@ -29,12 +33,45 @@ def mean_centred_cosine(maps: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def inspect(path: str, figures: str = "") -> dict:
+def part_capsules(model, batches) -> dict:
+    "Part presences [n, N], poses [n, 6N] and special features [n, FN] (no noise), labels [n]."
+    model.eval()
+    got = {"presence": [], "pose": [], "features": [], "label": []}
+    for images, labels in batches:
+        out = model(images, image_likelihood=False)
+        got["presence"].append(out.part_presence); got["pose"].append(out.part_pose.flatten(1))
+        got["features"].append(out.part_features.flatten(1)); got["label"].append(labels)
+    return {k: torch.cat(v).double().numpy() if k != "label" else torch.cat(v).numpy()
+            for k, v in got.items()}
+
+
+PART_SETS = {"presence": ("presence",), "pose_presence": ("pose", "presence"),
+             "features": ("features",), "all": ("pose", "presence", "features")}
+
+
+def part_scores(train: dict, test: dict, n_init: int = 3) -> dict:
+    """K-means test accuracy and linear-probe test accuracy of each set of `PART_SETS`, every
+    number standardised by the training digits' mean and standard deviation."""
+    import numpy as np
+    from capsule_book.scae import kmeans_accuracy, linear_probe_accuracy
+    res = {"parts_present": round(float((test["presence"] > 0.5).sum(1).mean()), 2)}
+    for name, keys in PART_SETS.items():
+        tr, te = (np.concatenate([d[k] for k in keys], 1) for d in (train, test))
+        mu, sd = tr.mean(0), tr.std(0) + 1e-6
+        tr, te = (tr - mu) / sd, (te - mu) / sd
+        res[f"{name}_kmeans"] = round(kmeans_accuracy(tr, train["label"], te, test["label"],
+                                                      n_init=n_init)["test"], 4)
+        res[f"{name}_probe"] = round(linear_probe_accuracy(tr, train["label"], te, test["label"]), 4)
+    return res
+
+
+@torch.no_grad()
+def inspect(path: str, figures: str = "", parts: int = 0, sample: bool = False) -> dict:
     "Collapse statistics of a run's checkpoint (see the module's text)."
     from capsule_book.data import CanvasBatches, load_mnist
     model, ck = load_scae(path)
     alpha = model.decoder.alpha_logits
-    x, y = load_mnist(False)
+    x, y = load_mnist(False, sample=sample)
     images, _ = next(iter(CanvasBatches(x[:64], y[:64], 64, model.config.canvas, seed=1)))
     out = model(images)
     res = {"step": ck.get("step"),
@@ -44,6 +81,12 @@ def inspect(path: str, figures: str = "") -> dict:
            "presence": round(float(out.part_presence.mean()), 4),
            "alpha_range": [round(float(alpha.min()), 3), round(float(alpha.max()), 3)],
            "image_nll": round(float(-out.image_log_likelihood.mean()), 2)}
+    if parts:
+        xt, yt = load_mnist(True, sample=sample)
+        on_canvas = lambda a, b: CanvasBatches(a[:parts], b[:parts], 500, model.config.canvas,
+                                               shuffle=False, seed=1)
+        res.update(part_scores(part_capsules(model, on_canvas(xt, yt)),
+                               part_capsules(model, on_canvas(x, y))))
     if figures:
         import matplotlib
         matplotlib.use("Agg")
@@ -65,9 +108,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--inspect", metavar="CHECKPOINT", required=True)
     p.add_argument("--figures", default="")
+    p.add_argument("--parts", type=int, default=0, metavar="N",
+                   help="K-means and linear probes on the part capsules of N training and N test digits")
+    p.add_argument("--sample", action="store_true", help="the MNIST sample shipped with the package")
     a = p.parse_args()
     torch.set_num_threads(1)
-    print(json.dumps(inspect(a.inspect, a.figures)))
+    print(json.dumps(inspect(a.inspect, a.figures, a.parts, a.sample)))
     return 0
 
 

@@ -611,8 +611,12 @@ def scae_train_arguments(p: argparse.ArgumentParser) -> None:
                         help="the second stage: the whole SCAE from a --pcae-only run's last.pt "
                              "(ignored with --resume, which continues the run's own checkpoint)")
     stages.add_argument("--freeze-pcae", action="store_true",
-                        help="with --from-pcae: the PCAE kept as the checkpoint has it, only the "
-                             "OCAE learns")
+                        help="with --from-pcae or --from-scae: the PCAE kept as the checkpoint has "
+                             "it, only the OCAE learns")
+    stages.add_argument("--from-scae", metavar="CHECKPOINT", default=None,
+                        help="the third stage: a new run from a whole SCAE's weights (PCAE and "
+                             "OCAE, e.g. a --freeze-pcae run's last.pt), both learning unless "
+                             "--freeze-pcae, with this command's loss weights and optimiser")
     p.add_argument("--sample", action="store_true",
                    help="the MNIST sample shipped with the package (2,000/1,000)")
     p.add_argument("--data-root", default=None,
@@ -626,18 +630,25 @@ def train_scae_command(args: argparse.Namespace) -> int:
     """`capsule-book train scae`: train (or resume) through the engine;
     print the last metrics row as JSON."""
     import torch
-    from capsule_book.scae import PCAE_ONLY, SCAE, SCAEConfig, scae_from_pcae, train_scae
+    from capsule_book.scae import (PCAE_ONLY, SCAE, SCAEConfig, scae_from_pcae, scae_from_scae,
+                                    train_scae)
     from capsule_book.utils import pick_device
     if not 0 <= args.average < 1:
         raise ValueError(f"--average must lie in [0, 1), got {args.average}")
     if args.lr_decay > 1: raise ValueError(f"--lr-decay must lie in (0, 1], got {args.lr_decay}")
-    if args.pcae_only and (args.from_pcae or args.freeze_pcae):
-        raise ValueError("--pcae-only is the first stage; --from-pcae and --freeze-pcae the second")
-    if args.freeze_pcae and not (args.from_pcae or args.resume):
+    if args.pcae_only and (args.from_pcae or args.freeze_pcae or args.from_scae):
+        raise ValueError("--pcae-only is the first stage; --from-pcae and --freeze-pcae the second, "
+                         "--from-scae the third")
+    if args.from_scae and args.from_pcae:
+        raise ValueError("--from-scae starts from a whole SCAE (the third stage), --from-pcae from a "
+                         "PCAE (the second): give one")
+    if args.freeze_pcae and not (args.from_pcae or args.from_scae or args.resume):
         raise ValueError("--freeze-pcae needs a trained PCAE: give --from-pcae CHECKPOINT")
-    if args.from_pcae and args.resume:
+    start = args.from_pcae or args.from_scae
+    if start and args.resume:
+        flag = "--from-pcae" if args.from_pcae else "--from-scae"
         print(f"capsule-book: --resume continues {args.out}'s own checkpoint; "
-              f"--from-pcae {args.from_pcae} is not read", file=sys.stderr)
+              f"{flag} {start} is not read", file=sys.stderr)
     weights = {"prior_between": args.prior_between, **(PCAE_ONLY if args.pcae_only else {})}
     config = SCAEConfig(n_parts=args.n_parts, n_objects=args.n_objects,
                         presence_mask=args.presence_mask, part_layout=args.part_layout,
@@ -645,8 +656,10 @@ def train_scae_command(args: argparse.Namespace) -> int:
     dev = pick_device(args.device)
     with subnormals_flushed(dev):                             # for this command only
         torch.manual_seed(args.seed)
-        model = (scae_from_pcae(args.from_pcae, config, seed=args.seed)
-                 if args.from_pcae and not args.resume else SCAE(config, seed=args.seed)).to(dev)
+        if args.resume or not start: model = SCAE(config, seed=args.seed)
+        elif args.from_pcae: model = scae_from_pcae(args.from_pcae, config, seed=args.seed)
+        else: model = scae_from_scae(args.from_scae, config, seed=args.seed)
+        model = model.to(dev)
         result = train_scae(model, args.steps, batch_size=args.batch_size, lr=args.lr,
                             optimizer=args.optimizer, lr_decay=args.lr_decay, seed=args.seed,
                             eval_n=args.eval_n, sample=args.sample, data_root=args.data_root,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from functools import partial
 from typing import NamedTuple, Optional, Union
 
@@ -24,10 +24,11 @@ from .train import (EpochStream, RunResult, Task, UserError, _bar, fit,
                                 load_checkpoint, trained_weights)
 
 # %% auto #0
-__all__ = ['PCAE_STAGES', 'PCAE_FIELDS', 'PCAE_ONLY', 'presence_attention', 'attend_by_presence', 'PresenceSAB', 'PartSetEncoder',
-           'part_pose_likelihood', 'SCAEConfig', 'scae_run_config', 'SCAEOutput', 'SCAE', 'scae_task', 'train_scae',
-           'load_scae', 'scae_features', 'kmeans_accuracy', 'linear_probe_accuracy', 'score_presences', 'evaluate_scae',
-           'scae_from_pcae', 'plot_scae_parts', 'plot_object_capsules', 'plot_tsne_confusion']
+__all__ = ['PCAE_STAGES', 'PCAE_FIELDS', 'PCAE_ONLY', 'LOSS_FIELDS', 'presence_attention', 'attend_by_presence', 'PresenceSAB',
+           'PartSetEncoder', 'part_pose_likelihood', 'SCAEConfig', 'scae_run_config', 'SCAEOutput', 'SCAE', 'scae_task',
+           'train_scae', 'load_scae', 'scae_features', 'kmeans_accuracy', 'linear_probe_accuracy', 'score_presences',
+           'evaluate_scae', 'scae_from_pcae', 'scae_from_scae', 'plot_scae_parts', 'plot_object_capsules',
+           'plot_tsne_confusion']
 
 # %% ../nbs/11_ocae.ipynb #e946a489
 def presence_attention(mh: Multihead, X: Tensor, Y: Tensor, presence: Tensor,
@@ -464,6 +465,26 @@ def scae_from_pcae(path: Union[str, os.PathLike], config: Optional[SCAEConfig] =
     model = SCAE(cfg, seed=seed)
     for stage in PCAE_STAGES:
         getattr(model, stage).load_state_dict(getattr(pcae, stage).state_dict())
+    return model.train()
+
+# %% ../nbs/11_ocae.ipynb #5f0c3a1e
+# the settings of Eq. (11.3) alone: a run that starts from another's weights may change these, not the model
+LOSS_FIELDS = (*PCAE_ONLY, "prior_within_constant")
+
+def scae_from_scae(path: Union[str, os.PathLike], config: Optional[SCAEConfig] = None,
+                   seed: int = 0) -> SCAE:
+    """The whole SCAE of a checkpoint, its PCAE and its OCAE, as the start of a new run: with
+    `config`'s loss settings (default: the checkpoint's own), in training mode."""
+    old, _ = load_scae(path)
+    cfg = config or old.config
+    differ = [f.name for f in fields(SCAEConfig)
+              if f.name not in LOSS_FIELDS and getattr(cfg, f.name) != getattr(old.config, f.name)]
+    if differ:
+        raise UserError(f"{path} holds an SCAE with " + ", ".join(
+            f"{k}={getattr(old.config, k)!r}" for k in differ) + "; this run asks for " +
+            ", ".join(f"{k}={getattr(cfg, k)!r}" for k in differ))
+    model = SCAE(cfg, seed=seed)
+    model.load_state_dict(old.state_dict())
     return model.train()
 
 # %% ../nbs/11_ocae.ipynb #3f7f2a7f

@@ -425,7 +425,26 @@ def test_two_stages_through_the_command_line(tmp_path, capsys):
         moved = not torch.equal(model.decoder.template_logits, pcae.decoder.template_logits)
         assert moved != bool(frozen)                # the PCAE trains on, or stays exactly as it was
         assert ck["config"].get("freeze_pcae", False) == bool(frozen)
+    # the third stage: both parts learn again from the frozen run's whole SCAE, which it starts with exactly
+    frozen, _ = load_scae(tmp_path / "frozen" / "last.pt")
+    assert train("third", "--steps", "2", "--from-scae", str(tmp_path / "frozen" / "last.pt")) == 0
+    capsys.readouterr()
+    assert train("third", "--steps", "3", "--from-scae", str(tmp_path / "frozen" / "last.pt"), "--resume") == 0
+    assert "--from-scae" in capsys.readouterr().err
+    third, ck = load_scae(tmp_path / "third" / "last.pt")
+    assert ck["step"] == 3 and "freeze_pcae" not in ck["config"]
+    assert not torch.equal(third.decoder.template_logits, frozen.decoder.template_logits)
+    assert not torch.equal(next(third.h_caps.parameters()), next(frozen.h_caps.parameters()))
+    from capsule_book.scae import scae_from_scae
+    start = scae_from_scae(tmp_path / "frozen" / "last.pt")
+    assert all(torch.equal(v, start.state_dict()[k]) for k, v in frozen.state_dict().items())
     # refused, each in one line with exit status 2
+    for argv, said in ((["--from-pcae", str(first)], "--from-scae starts from a whole SCAE"),
+                       (["--n-objects", "3"], "holds an SCAE with n_objects=4; this run asks for n_objects=3")):
+        with pytest.raises(SystemExit) as e:
+            train("bad", "--steps", "1", "--from-scae", str(tmp_path / "frozen" / "last.pt"), *argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and said in err and "Traceback" not in err, err
     train("whole-scae", "--steps", "1")
     for argv, said in (([str(tmp_path / "whole-scae" / "last.pt")], "not a PCAE-alone run"),
                        ([str(first), "--n-parts", "6"], "holds a PCAE with n_parts=5"),
@@ -468,3 +487,24 @@ def test_learning_curve_figure_reads_the_evaluations(tmp_path, capsys):
     assert (tmp_path / "c.png").stat().st_size > 10_000
     with pytest.raises(SystemExit):
         scae_curves.main([str(tmp_path / "scae_none.jsonl"), "--out", str(tmp_path / "d.png")])
+
+
+def test_part_capsule_scores_read_the_class_from_the_parts():
+    """benchmarks/scae_pcae_only.py --parts: the part capsules of even an untrained PCAE carry the digit's class (a
+    linear probe far above chance on the shipped sample), and the scores follow the labels (shuffled, chance)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import scae_pcae_only
+    from capsule_book.data import CanvasBatches, load_mnist
+    torch.manual_seed(0)
+    model = SCAE(seed=0)
+    on_canvas = lambda x, y: CanvasBatches(x[:1000], y[:1000], 250, 40, shuffle=False, seed=1)
+    train = scae_pcae_only.part_capsules(model, on_canvas(*load_mnist(True, sample=True)))
+    test = scae_pcae_only.part_capsules(model, on_canvas(*load_mnist(False, sample=True)))
+    assert train["pose"].shape == (1000, 240) and train["features"].shape == (1000, 640)
+    scores = scae_pcae_only.part_scores(train, test, n_init=1)
+    assert 0 <= scores["parts_present"] <= 40
+    assert scores["all_probe"] > 0.45 and scores["features_probe"] > 0.45          # chance: 0.1
+    shuffled = dict(train, label=np.random.default_rng(0).permutation(train["label"]))
+    assert scae_pcae_only.part_scores(shuffled, test, n_init=1)["all_probe"] < 0.25

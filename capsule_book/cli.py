@@ -20,7 +20,8 @@ __all__ = ['COMMANDS', 'finite', 'non_negative', 'probability', 'register', 'Par
            'mog_train_arguments', 'cnn_train_arguments', 'train_cnn_command', 'cnn_eval_arguments', 'eval_cnn_command',
            'train_mog_command', 'mog_eval_arguments', 'eval_mog_command', 'ccae_train_arguments', 'ccae_from_args',
            'ccae_train_settings', 'train_ccae_command', 'ccae_eval_arguments', 'eval_ccae_command',
-           'scae_train_arguments', 'train_scae_command', 'scae_eval_arguments', 'eval_scae_command']
+           'scae_stage_arguments', 'scae_train_arguments', 'scae_start', 'train_scae_command', 'scae_eval_arguments',
+           'eval_scae_command']
 
 # %% ../nbs/93_cli.ipynb #642e09a9
 COMMANDS: dict[str, dict[str, tuple[Callable, Callable, str]]] = {"train": {}, "eval": {}}
@@ -578,6 +579,23 @@ def eval_ccae_command(args: argparse.Namespace) -> int:
                                                 seed=args.seed)}))
     return 0
 
+# %% ../nbs/93_cli.ipynb #3e8f6a20
+def scae_stage_arguments(p: argparse.ArgumentParser) -> None:
+    "The flags of the stages of Chapter 11 (`capsule-book train scae`)."
+    stages = p.add_argument_group("stages (Chapter 11)")
+    stages.add_argument("--pcae-only", action="store_true",
+                        help="the first stage: the PCAE alone, every OCAE weight of Eq. (11.3) 0")
+    stages.add_argument("--from-pcae", metavar="CHECKPOINT", default=None,
+                        help="the second stage: the whole SCAE from a --pcae-only run's last.pt "
+                             "(ignored with --resume, which continues the run's own checkpoint)")
+    stages.add_argument("--freeze-pcae", action="store_true",
+                        help="with --from-pcae or --from-scae: the PCAE kept as the checkpoint has "
+                             "it, only the OCAE learns")
+    stages.add_argument("--from-scae", metavar="CHECKPOINT", default=None,
+                        help="the third stage: a new run from a whole SCAE's weights (PCAE and "
+                             "OCAE, e.g. a --freeze-pcae run's last.pt), both learning unless "
+                             "--freeze-pcae, with this command's loss weights and optimiser")
+
 # %% ../nbs/93_cli.ipynb #7d599b9f
 def scae_train_arguments(p: argparse.ArgumentParser) -> None:
     "The flags of `capsule-book train scae` (the official MNIST configuration by default)."
@@ -604,24 +622,35 @@ def scae_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="evaluate and end with a moving average of the weights, decay D per step")
     p.add_argument("--eval-n", type=positive, default=10_000,
                    help="training and test digits per evaluation (default 10000)")
-    stages = p.add_argument_group("two stages (Chapter 11)")
-    stages.add_argument("--pcae-only", action="store_true",
-                        help="the first stage: the PCAE alone, every OCAE weight of Eq. (11.3) 0")
-    stages.add_argument("--from-pcae", metavar="CHECKPOINT", default=None,
-                        help="the second stage: the whole SCAE from a --pcae-only run's last.pt "
-                             "(ignored with --resume, which continues the run's own checkpoint)")
-    stages.add_argument("--freeze-pcae", action="store_true",
-                        help="with --from-pcae or --from-scae: the PCAE kept as the checkpoint has "
-                             "it, only the OCAE learns")
-    stages.add_argument("--from-scae", metavar="CHECKPOINT", default=None,
-                        help="the third stage: a new run from a whole SCAE's weights (PCAE and "
-                             "OCAE, e.g. a --freeze-pcae run's last.pt), both learning unless "
-                             "--freeze-pcae, with this command's loss weights and optimiser")
+    scae_stage_arguments(p)
     p.add_argument("--sample", action="store_true",
                    help="the MNIST sample shipped with the package (2,000/1,000)")
     p.add_argument("--data-root", default=None,
                    help="default $CAPSULE_BOOK_DATA, else ~/.cache/capsule_book")
     run_arguments(p, "runs/scae", 300_000, eval_every=10_000)
+
+# %% ../nbs/93_cli.ipynb #9b2d4e71
+def scae_start(args: argparse.Namespace, config):
+    """The SCAE a `train scae` command starts from: a fresh one (or, resumed, its run's own), a
+    PCAE-alone run's PCAE with a fresh OCAE (--from-pcae) or a whole SCAE (--from-scae); flags of
+    stages that do not go together are refused."""
+    from capsule_book.scae import SCAE, scae_from_pcae, scae_from_scae
+    if args.pcae_only and (args.from_pcae or args.freeze_pcae or args.from_scae):
+        raise ValueError("--pcae-only is the first stage; --from-pcae and --freeze-pcae the "
+                         "second, --from-scae the third")
+    if args.from_scae and args.from_pcae:
+        raise ValueError("--from-scae starts from a whole SCAE (the third stage), --from-pcae "
+                         "from a PCAE (the second): give one")
+    if args.freeze_pcae and not (args.from_pcae or args.from_scae or args.resume):
+        raise ValueError("--freeze-pcae needs a trained PCAE: give --from-pcae CHECKPOINT")
+    start = args.from_pcae or args.from_scae
+    if start and args.resume:
+        flag = "--from-pcae" if args.from_pcae else "--from-scae"
+        print(f"capsule-book: --resume continues {args.out}'s own checkpoint; "
+              f"{flag} {start} is not read", file=sys.stderr)
+    if args.resume or not start: return SCAE(config, seed=args.seed)
+    if args.from_pcae: return scae_from_pcae(args.from_pcae, config, seed=args.seed)
+    return scae_from_scae(args.from_scae, config, seed=args.seed)
 
 # %% ../nbs/93_cli.ipynb #a168d1b8
 @register("train", "scae", scae_train_arguments,
@@ -630,25 +659,11 @@ def train_scae_command(args: argparse.Namespace) -> int:
     """`capsule-book train scae`: train (or resume) through the engine;
     print the last metrics row as JSON."""
     import torch
-    from capsule_book.scae import (PCAE_ONLY, SCAE, SCAEConfig, scae_from_pcae, scae_from_scae,
-                                    train_scae)
+    from capsule_book.scae import PCAE_ONLY, SCAEConfig, train_scae
     from capsule_book.utils import pick_device
     if not 0 <= args.average < 1:
         raise ValueError(f"--average must lie in [0, 1), got {args.average}")
     if args.lr_decay > 1: raise ValueError(f"--lr-decay must lie in (0, 1], got {args.lr_decay}")
-    if args.pcae_only and (args.from_pcae or args.freeze_pcae or args.from_scae):
-        raise ValueError("--pcae-only is the first stage; --from-pcae and --freeze-pcae the second, "
-                         "--from-scae the third")
-    if args.from_scae and args.from_pcae:
-        raise ValueError("--from-scae starts from a whole SCAE (the third stage), --from-pcae from a "
-                         "PCAE (the second): give one")
-    if args.freeze_pcae and not (args.from_pcae or args.from_scae or args.resume):
-        raise ValueError("--freeze-pcae needs a trained PCAE: give --from-pcae CHECKPOINT")
-    start = args.from_pcae or args.from_scae
-    if start and args.resume:
-        flag = "--from-pcae" if args.from_pcae else "--from-scae"
-        print(f"capsule-book: --resume continues {args.out}'s own checkpoint; "
-              f"{flag} {start} is not read", file=sys.stderr)
     weights = {"prior_between": args.prior_between, **(PCAE_ONLY if args.pcae_only else {})}
     config = SCAEConfig(n_parts=args.n_parts, n_objects=args.n_objects,
                         presence_mask=args.presence_mask, part_layout=args.part_layout,
@@ -656,10 +671,7 @@ def train_scae_command(args: argparse.Namespace) -> int:
     dev = pick_device(args.device)
     with subnormals_flushed(dev):                             # for this command only
         torch.manual_seed(args.seed)
-        if args.resume or not start: model = SCAE(config, seed=args.seed)
-        elif args.from_pcae: model = scae_from_pcae(args.from_pcae, config, seed=args.seed)
-        else: model = scae_from_scae(args.from_scae, config, seed=args.seed)
-        model = model.to(dev)
+        model = scae_start(args, config).to(dev)
         result = train_scae(model, args.steps, batch_size=args.batch_size, lr=args.lr,
                             optimizer=args.optimizer, lr_decay=args.lr_decay, seed=args.seed,
                             eval_n=args.eval_n, sample=args.sample, data_root=args.data_root,

@@ -468,7 +468,7 @@ def scae_from_pcae(path: Union[str, os.PathLike], config: Optional[SCAEConfig] =
     return model.train()
 
 # %% ../nbs/11_ocae.ipynb #5f0c3a1e
-# the settings of Eq. (11.3) alone: a run that starts from another's weights may change these, not the model
+# Eq. (11.3)'s settings: a run started from another's weights may change these, not the model
 LOSS_FIELDS = (*PCAE_ONLY, "prior_within_constant")
 
 def scae_from_scae(path: Union[str, os.PathLike], config: Optional[SCAEConfig] = None,

@@ -34,13 +34,15 @@ def mean_centred_cosine(maps: torch.Tensor) -> float:
 
 @torch.no_grad()
 def part_capsules(model, batches) -> dict:
-    "Part presences [n, N], poses [n, 6N] and special features [n, FN] (no noise), labels [n]."
+    """Part presences [n, N], poses [n, 6N] and special features [n, FN] (evaluation mode: no
+    noise; the model's mode is restored), labels [n]."""
+    was, got = model.training, {"presence": [], "pose": [], "features": [], "label": []}
     model.eval()
-    got = {"presence": [], "pose": [], "features": [], "label": []}
     for images, labels in batches:
         out = model(images, image_likelihood=False)
         got["presence"].append(out.part_presence); got["pose"].append(out.part_pose.flatten(1))
         got["features"].append(out.part_features.flatten(1)); got["label"].append(labels)
+    model.train(was)
     return {k: torch.cat(v).double().numpy() if k != "label" else torch.cat(v).numpy()
             for k, v in got.items()}
 

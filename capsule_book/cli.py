@@ -642,7 +642,8 @@ def scae_start(args: argparse.Namespace, config):
         raise ValueError("--from-scae starts from a whole SCAE (the third stage), --from-pcae "
                          "from a PCAE (the second): give one")
     if args.freeze_pcae and not (args.from_pcae or args.from_scae or args.resume):
-        raise ValueError("--freeze-pcae needs a trained PCAE: give --from-pcae CHECKPOINT")
+        raise ValueError("--freeze-pcae needs a trained PCAE: give --from-pcae or --from-scae "
+                         "CHECKPOINT")
     start = args.from_pcae or args.from_scae
     if start and args.resume:
         flag = "--from-pcae" if args.from_pcae else "--from-scae"

@@ -27,8 +27,8 @@ from .train import (EpochStream, RunResult, Task, UserError, _bar, fit,
 __all__ = ['PCAE_STAGES', 'PCAE_FIELDS', 'PCAE_ONLY', 'LOSS_FIELDS', 'presence_attention', 'attend_by_presence', 'PresenceSAB',
            'PartSetEncoder', 'part_pose_likelihood', 'SCAEConfig', 'scae_run_config', 'SCAEOutput', 'SCAE', 'scae_task',
            'train_scae', 'load_scae', 'scae_features', 'kmeans_accuracy', 'linear_probe_accuracy', 'score_presences',
-           'evaluate_scae', 'scae_from_pcae', 'scae_from_scae', 'plot_scae_parts', 'plot_object_capsules',
-           'plot_tsne_confusion']
+           'evaluate_scae', 'refuse_other_settings', 'scae_from_pcae', 'scae_from_scae', 'plot_scae_parts',
+           'plot_object_capsules', 'plot_tsne_confusion']
 
 # %% ../nbs/11_ocae.ipynb #e946a489
 def presence_attention(mh: Multihead, X: Tensor, Y: Tensor, presence: Tensor,
@@ -446,6 +446,15 @@ def evaluate_scae(model: SCAE, train_batches, test_batches, n_init: int = 10,
 PCAE_ONLY = dict(part_ll_weight=0.0, dynamic_l2=0.0, prior_within=0.0, prior_between=0.0,
                  posterior_within=0.0, posterior_between=0.0)
 
+def refuse_other_settings(path: Union[str, os.PathLike], what: str, held: SCAEConfig,
+                          asked: SCAEConfig, names) -> None:
+    "One line naming each of `names` whose setting in `asked` is not the checkpoint's (`held`)."
+    differ = [k for k in names if getattr(asked, k) != getattr(held, k)]
+    if differ:
+        raise UserError(f"{path} holds {what} with " + ", ".join(
+            f"{k}={getattr(held, k)!r}" for k in differ) + "; this run asks for " +
+            ", ".join(f"{k}={getattr(asked, k)!r}" for k in differ))
+
 def scae_from_pcae(path: Union[str, os.PathLike], config: Optional[SCAEConfig] = None,
                    seed: int = 0) -> SCAE:
     """The whole SCAE of `config` (default: the checkpoint's sizes, the official weights) with the
@@ -457,11 +466,7 @@ def scae_from_pcae(path: Union[str, os.PathLike], config: Optional[SCAEConfig] =
     official = {k: getattr(SCAEConfig(), k) for k in PCAE_ONLY}
     cfg = config or replace(pcae.config, **official)
     # the PCAE's own sizes must agree; the OCAE is new and may have any
-    differ = [k for k in PCAE_FIELDS if getattr(cfg, k) != getattr(pcae.config, k)]
-    if differ:
-        raise UserError(f"{path} holds a PCAE with " + ", ".join(
-            f"{k}={getattr(pcae.config, k)!r}" for k in differ) + "; this run asks for " +
-            ", ".join(f"{k}={getattr(cfg, k)!r}" for k in differ))
+    refuse_other_settings(path, "a PCAE", pcae.config, cfg, PCAE_FIELDS)
     model = SCAE(cfg, seed=seed)
     for stage in PCAE_STAGES:
         getattr(model, stage).load_state_dict(getattr(pcae, stage).state_dict())
@@ -477,12 +482,8 @@ def scae_from_scae(path: Union[str, os.PathLike], config: Optional[SCAEConfig] =
     `config`'s loss settings (default: the checkpoint's own), in training mode."""
     old, _ = load_scae(path)
     cfg = config or old.config
-    differ = [f.name for f in fields(SCAEConfig)
-              if f.name not in LOSS_FIELDS and getattr(cfg, f.name) != getattr(old.config, f.name)]
-    if differ:
-        raise UserError(f"{path} holds an SCAE with " + ", ".join(
-            f"{k}={getattr(old.config, k)!r}" for k in differ) + "; this run asks for " +
-            ", ".join(f"{k}={getattr(cfg, k)!r}" for k in differ))
+    refuse_other_settings(path, "an SCAE", old.config, cfg,
+                          [f.name for f in fields(SCAEConfig) if f.name not in LOSS_FIELDS])
     model = SCAE(cfg, seed=seed)
     model.load_state_dict(old.state_dict())
     return model.train()

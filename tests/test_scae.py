@@ -503,6 +503,7 @@ def test_part_capsule_scores_read_the_class_from_the_parts():
     train = scae_pcae_only.part_capsules(model, on_canvas(*load_mnist(True, sample=True)))
     test = scae_pcae_only.part_capsules(model, on_canvas(*load_mnist(False, sample=True)))
     assert train["pose"].shape == (1000, 240) and train["features"].shape == (1000, 640)
+    assert model.training                                  # scored without noise, its mode restored
     scores = scae_pcae_only.part_scores(train, test, n_init=1)
     assert 0 <= scores["parts_present"] <= 40
     assert scores["all_probe"] > 0.45 and scores["features_probe"] > 0.45          # chance: 0.1

@@ -2,9 +2,10 @@
 
 # %% auto #0
 __all__ = ['CAPSNET_RUN_KEYS', 'PrimaryCaps', 'CapsNetOutput', 'mask_capsules', 'CapsNet', 'capsnet_loss', 'TrainConfig',
-           'capsnet_from_config', 'lr_factor', 'routed_with', 'evaluate', 'capsnet_task', 'train_capsnet',
-           'load_capsnet', 'plot_reconstructions', 'perturb_capsule', 'plot_perturbations', 'coupling_summary',
-           'plot_capsnet_coupling', 'routing_statistics', 'summarise_routing', 'plot_routing_statistics']
+           'capsnet_from_config', 'lr_factor', 'run_steps', 'cooldown_start', 'capsnet_schedule', 'routed_with',
+           'evaluate', 'capsnet_task', 'train_capsnet', 'load_capsnet', 'plot_reconstructions', 'perturb_capsule',
+           'plot_perturbations', 'coupling_summary', 'plot_capsnet_coupling', 'routing_statistics', 'summarise_routing',
+           'plot_routing_statistics']
 
 # %% ../nbs/04_capsnet.ipynb #5f38e83e
 import json
@@ -177,6 +178,7 @@ class TrainConfig:
     log_every: int = 50
     eval_every: Optional[int] = None      # default: once an epoch (and at the end)
     stop_accuracy: Optional[float] = None  # end at the first evaluation at least this accurate
+    cooldown_from: Optional[str] = None   # a run's last.pt: this run cools it down, Eq. (4.2)
 
 # %% ../nbs/04_capsnet.ipynb #25ae8f15
 # the settings that define a run: a checkpoint made with other values is refused on resume
@@ -196,6 +198,50 @@ def lr_factor(step: int, decay_rate: float = 0.96, decay_steps: int = 2000,
               floor: float = 1e-3) -> float:
     "η(step)/η(0) of Eq. (4.1): decay_rate**(step/decay_steps), at least `floor`."
     return max(decay_rate ** (step / decay_steps), floor)
+
+# %% ../nbs/04_capsnet.ipynb #b4e00778
+def run_steps(cfg: TrainConfig, per_epoch: int) -> int:
+    "Optimiser steps of the run `cfg` describes: `steps`, else `epochs` × batches per epoch."
+    return cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
+
+def cooldown_start(cfg: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer,
+                   stream: EpochStream, world: int = 1,
+                   device: Union[str, torch.device] = "cpu") -> dict:
+    """Load the run checkpoint `cfg.cooldown_from` into `model`, `opt` and `stream`; returns its
+    step s0 and η(s0) of Eq. (4.1). Other settings, or a cooldown's checkpoint, are refused."""
+    path = cfg.cooldown_from
+    ck = load_checkpoint(path, map_location=device)
+    if ck.get("task") != "capsnet":
+        raise UserError(f"{path} holds a {ck.get('task', 'unknown')} checkpoint, not a CapsNet one")
+    saved = ck["config"]
+    if "cooldown_lr" in saved:
+        raise UserError(f"{path} is a cooldown's checkpoint: cool down from the run it "
+                        "started from")
+    asked = {**{k: getattr(cfg, k) for k in CAPSNET_RUN_KEYS}, "world_size": world}
+    differ = [k for k in asked if k in saved and saved[k] != asked[k]]
+    if differ:
+        raise UserError(f"{path} was trained with " + ", ".join(f"{k}={saved[k]!r}" for k in differ)
+                        + "; this run asks for " + ", ".join(f"{k}={asked[k]!r}" for k in differ))
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["optimizer"])
+    stream.load_state_dict(ck["stream"])
+    eta0 = cfg.lr * lr_factor(ck["step"], cfg.decay_rate, cfg.decay_steps, cfg.min_lr / cfg.lr)
+    return {"step": ck["step"], "lr": eta0}
+
+# %% ../nbs/04_capsnet.ipynb #2b8f6f7c
+def capsnet_schedule(cfg: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer,
+                     stream: EpochStream, world: int = 1,
+                     device: Union[str, torch.device] = "cpu") -> tuple:
+    """(η(step), settings added to the run's): Eq. (4.1), or with `cfg.cooldown_from` Eq. (4.2)
+    from that checkpoint, loaded into `model`, `opt` and `stream`."""
+    if not cfg.cooldown_from:
+        return (lambda s: cfg.lr * lr_factor(s, cfg.decay_rate, cfg.decay_steps,
+                                             cfg.min_lr / cfg.lr)), {}
+    start = cooldown_start(cfg, model, opt, stream, world, device)
+    steps = run_steps(cfg, len(stream))                    # S of Eq. (4.2)
+    return ((lambda s: start["lr"] * (1 - s / steps)),
+            {"cooldown_from_step": start["step"], "cooldown_lr": start["lr"],
+             "cooldown_steps": steps})
 
 # %% ../nbs/04_capsnet.ipynb #e0b3bf85
 @contextmanager
@@ -232,8 +278,8 @@ def evaluate(model: CapsNet, batches: MNISTBatches, world: int = 1,
 def capsnet_task(cfg: TrainConfig, rank: int = 0, world: int = 1,
                  device: Union[str, torch.device] = "cpu",
                  resume_command: str = "") -> tuple[Task, int]:
-    """The engine's task for a CapsNet run (model, Adam, Eq. 4.1, shifted batches, loss,
-    test) and the batches per epoch."""
+    """The engine's task for a CapsNet run (model, Adam, Eq. 4.1 or a cooldown, shifted batches,
+    loss, test) and the batches per epoch."""
     torch.manual_seed(cfg.seed)
     model = capsnet_from_config({k: getattr(cfg, k) for k in CAPSNET_RUN_KEYS}).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
@@ -258,10 +304,10 @@ def capsnet_task(cfg: TrainConfig, rank: int = 0, world: int = 1,
         return (total,
                 {"margin": l_margin.detach(), "accuracy": (out.predictions == y).float().mean()})
 
-    config = {**{k: getattr(cfg, k) for k in CAPSNET_RUN_KEYS}, "world_size": world}
-    # Eq. (4.1)
-    eta = lambda s: cfg.lr * lr_factor(s, cfg.decay_rate, cfg.decay_steps, cfg.min_lr / cfg.lr)
-    task = Task("capsnet", config, model, opt, EpochStream(train), loss, eta,
+    stream = EpochStream(train)
+    eta, cooldown = capsnet_schedule(cfg, model, opt, stream, world, device)
+    config = {**{k: getattr(cfg, k) for k in CAPSNET_RUN_KEYS}, "world_size": world, **cooldown}
+    task = Task("capsnet", config, model, opt, stream, loss, eta,
                 evaluate=lambda m: evaluate(m, test, world), ddp=True,
                 resume_command=resume_command or "train_capsnet(TrainConfig(..., resume=True))",
                 until=(None if cfg.stop_accuracy is None
@@ -275,9 +321,9 @@ def train_capsnet(cfg: TrainConfig, resume_command: str = "") -> RunResult:
     rank, world, device, created = init_distributed(cfg.device)
     try:
         task, per_epoch = capsnet_task(cfg, rank, world, device, resume_command)
-        steps = cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
-        return fit(task, steps, out=cfg.out, resume=cfg.resume, max_minutes=cfg.max_minutes,
-                   stop_at=cfg.stop_at, checkpoint_every=cfg.checkpoint_every,
+        return fit(task, run_steps(cfg, per_epoch), out=cfg.out, resume=cfg.resume,
+                   max_minutes=cfg.max_minutes, stop_at=cfg.stop_at,
+                   checkpoint_every=cfg.checkpoint_every,
                    checkpoint_minutes=cfg.checkpoint_minutes, log_every=cfg.log_every,
                    eval_every=cfg.eval_every or per_epoch, progress=cfg.progress, rank=rank,
                    world=world)

@@ -269,6 +269,9 @@ def capsnet_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-at-accuracy", type=number(0.0, 1.0), default=None,
                    help="end the run, finished, at the first evaluation at least this accurate "
                         "(Chapter 4b: 0.992)")
+    p.add_argument("--cooldown-from", metavar="CHECKPOINT", default=None,
+                   help="a run's last.pt: go on from it with η falling linearly to 0 over this "
+                        "run (Chapter 4, Eq. 4.2: a departure from the official schedule)")
     p.add_argument("--limit-train", type=positive, default=None,
                    help="train on the first N digits only")
     p.add_argument("--limit-test", type=positive, default=None,
@@ -290,6 +293,7 @@ def train_capsnet_command(args: argparse.Namespace) -> int:
                       recon_weight=args.recon_weight, w_std=args.w_std,
                       detach_intermediate=not args.full_gradient, routing_bias=args.routing_bias,
                       canvas=args.canvas, stop_accuracy=args.stop_at_accuracy,
+                      cooldown_from=args.cooldown_from,
                       limit_train=args.limit_train,
                       limit_test=args.limit_test, sample=args.sample, seed=args.seed,
                       device=args.device, data_root=args.data_root,
@@ -594,7 +598,8 @@ def scae_stage_arguments(p: argparse.ArgumentParser) -> None:
     stages.add_argument("--from-scae", metavar="CHECKPOINT", default=None,
                         help="the third stage: a new run from a whole SCAE's weights (PCAE and "
                              "OCAE, e.g. a --freeze-pcae run's last.pt), both learning unless "
-                             "--freeze-pcae, with this command's loss weights and optimiser")
+                             "--freeze-pcae, with this command's loss weights and optimiser; with "
+                             "--pcae-only, the first stage on from a checkpoint's weights")
 
 # %% ../nbs/93_cli.ipynb #7d599b9f
 def scae_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -635,9 +640,9 @@ def scae_start(args: argparse.Namespace, config):
     PCAE-alone run's PCAE with a fresh OCAE (--from-pcae) or a whole SCAE (--from-scae); flags of
     stages that do not go together are refused."""
     from capsule_book.scae import SCAE, scae_from_pcae, scae_from_scae
-    if args.pcae_only and (args.from_pcae or args.freeze_pcae or args.from_scae):
-        raise ValueError("--pcae-only is the first stage; --from-pcae and --freeze-pcae the "
-                         "second, --from-scae the third")
+    if args.pcae_only and (args.from_pcae or args.freeze_pcae):
+        raise ValueError("--pcae-only is the first stage, --from-pcae and --freeze-pcae the "
+                         "second (the first goes on from a checkpoint's weights with --from-scae)")
     if args.from_scae and args.from_pcae:
         raise ValueError("--from-scae starts from a whole SCAE (the third stage), --from-pcae "
                          "from a PCAE (the second): give one")

@@ -448,7 +448,7 @@ def test_two_stages_through_the_command_line(tmp_path, capsys):
     train("whole-scae", "--steps", "1")
     for argv, said in (([str(tmp_path / "whole-scae" / "last.pt")], "not a PCAE-alone run"),
                        ([str(first), "--n-parts", "6"], "holds a PCAE with n_parts=5"),
-                       ([str(first), "--pcae-only"], "--pcae-only is the first stage")):
+                       ([str(first), "--pcae-only"], "--pcae-only is the first stage, --from-pcae")):
         with pytest.raises(SystemExit) as e:
             train("bad", "--steps", "1", "--from-pcae", *argv)
         err = capsys.readouterr().err
@@ -456,6 +456,13 @@ def test_two_stages_through_the_command_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         train("bad", "--steps", "1", "--freeze-pcae")
     assert e.value.code == 2 and "--freeze-pcae needs a trained PCAE" in capsys.readouterr().err
+    # the first stage on from a checkpoint's weights, with a fresh optimiser: the OCAE (no loss reaches it) stays
+    # the checkpoint's, not a fresh one of seed 1, and the PCAE learns
+    assert train("pcae-on", "--steps", "1", "--pcae-only", "--from-scae", str(first), "--seed", "1") == 0
+    on, ck = load_scae(tmp_path / "pcae-on" / "last.pt")
+    assert ck["step"] == 1 and all(getattr(on.config, k) == 0 for k in PCAE_ONLY)
+    assert all(torch.equal(p, q) for p, q in zip(on.h_caps.parameters(), pcae.h_caps.parameters()))
+    assert not torch.equal(on.decoder.template_logits, pcae.decoder.template_logits)
     # the prior between-example weight (sixteenfold at batch 32 matches the official balance at 128)
     assert train("between", "--steps", "1", "--prior-between", "5.6") == 0
     assert load_scae(tmp_path / "between" / "last.pt")[0].config.prior_between == 5.6

@@ -159,6 +159,29 @@ def test_cli_train_stop_resume_then_eval(tmp_path, capsys):
     assert evaluated["accuracy"] == trained["eval_accuracy"] and evaluated["step"] == 2
 
 
+def test_cli_cooldown_goes_on_from_a_run_with_eta_down_to_zero(tmp_path, capsys):
+    run, cool = tmp_path / "run", tmp_path / "cool"
+    assert main(["train", "capsnet", "--epochs", "1", "--out", str(run), *SMALL_CAPSNET]) == 0      # 2 steps
+    assert main(["train", "capsnet", "--epochs", "2", "--out", str(cool), "--log-every", "1",
+                 "--cooldown-from", str(run / "last.pt"), *SMALL_CAPSNET]) == 0
+    rows = [json.loads(l) for l in (cool / "metrics.jsonl").read_text().splitlines()]
+    eta0 = 1e-3 * 0.96 ** (2 / 2000)                                  # Eq. (4.1) at the run's last step
+    assert [r["lr"] for r in rows] == [eta0 * (1 - s / 4) for s in range(4)]
+    assert [r["epoch"] for r in rows] == [1.5, 2.0, 2.5, 3.0]          # the run's data goes on
+    ck = load_checkpoint(cool / "last.pt")
+    assert (ck["config"]["cooldown_from_step"], ck["config"]["cooldown_steps"]) == (2, 4)
+    capsys.readouterr()
+    assert refused(["train", "capsnet", "--out", str(tmp_path / "x"), "--cooldown-from", str(run / "last.pt"),
+                    *SMALL_CAPSNET, "--lr", "0.01"], capsys).endswith(
+        f"{run / 'last.pt'} was trained with lr=0.001; this run asks for lr=0.01")
+    assert "is a cooldown's checkpoint" in refused(
+        ["train", "capsnet", "--out", str(tmp_path / "y"), "--cooldown-from", str(cool / "last.pt"), *SMALL_CAPSNET],
+        capsys)
+    assert "no checkpoint at /nonexistent/last.pt" in refused(
+        ["train", "capsnet", "--out", str(tmp_path / "z"), "--cooldown-from", "/nonexistent/last.pt", *SMALL_CAPSNET],
+        capsys)
+
+
 def test_capsnet_refuses_integer_images():
     with pytest.raises(TypeError, match=r"float images in \[0, 1\].*images.float\(\) / 255"):
         CapsNet(1).eval()(torch.zeros(2, 1, 28, 28, dtype=torch.uint8))

@@ -26,7 +26,8 @@ from .routing import Router
 from .squash import squash
 from .utils import check_finite, check_images, compiling
 from .train import (EpochStream, RunResult, Task, UserError, all_sum, fit,
-                                init_distributed, load_checkpoint, trained_weights)
+                                init_distributed, load_checkpoint, refuse_other_settings,
+                                trained_weights)
 
 # %% ../nbs/04_capsnet.ipynb #e9cbc12b
 class PrimaryCaps(nn.Module):
@@ -218,10 +219,7 @@ def cooldown_start(cfg: TrainConfig, model: nn.Module, opt: torch.optim.Optimize
         raise UserError(f"{path} is a cooldown's checkpoint: cool down from the run it "
                         "started from")
     asked = {**{k: getattr(cfg, k) for k in CAPSNET_RUN_KEYS}, "world_size": world}
-    differ = [k for k in asked if k in saved and saved[k] != asked[k]]
-    if differ:
-        raise UserError(f"{path} was trained with " + ", ".join(f"{k}={saved[k]!r}" for k in differ)
-                        + "; this run asks for " + ", ".join(f"{k}={asked[k]!r}" for k in differ))
+    refuse_other_settings(path, saved, asked, [k for k in asked if k in saved])
     model.load_state_dict(ck["model"])
     opt.load_state_dict(ck["optimizer"])
     stream.load_state_dict(ck["stream"])

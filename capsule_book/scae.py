@@ -21,14 +21,14 @@ from .gmm import check_background, gaussian_log_density
 from .pcae import PartEncoder, TemplateDecoder, glorot_bound, mixture_mode, sonnet_init
 from .set_transformer import RFF, Multihead
 from .train import (EpochStream, RunResult, Task, UserError, _bar, fit,
-                                load_checkpoint, trained_weights)
+                                load_checkpoint, refuse_other_settings, trained_weights)
 
 # %% auto #0
 __all__ = ['PCAE_STAGES', 'PCAE_FIELDS', 'PCAE_ONLY', 'LOSS_FIELDS', 'presence_attention', 'attend_by_presence', 'PresenceSAB',
            'PartSetEncoder', 'part_pose_likelihood', 'SCAEConfig', 'scae_run_config', 'SCAEOutput', 'SCAE', 'scae_task',
            'train_scae', 'load_scae', 'scae_features', 'kmeans_accuracy', 'linear_probe_accuracy', 'score_presences',
-           'evaluate_scae', 'refuse_other_settings', 'scae_from_pcae', 'scae_from_scae', 'plot_scae_parts',
-           'plot_object_capsules', 'plot_tsne_confusion']
+           'evaluate_scae', 'scae_from_pcae', 'scae_from_scae', 'plot_scae_parts', 'plot_object_capsules',
+           'plot_tsne_confusion']
 
 # %% ../nbs/11_ocae.ipynb #e946a489
 def presence_attention(mh: Multihead, X: Tensor, Y: Tensor, presence: Tensor,
@@ -347,7 +347,7 @@ def scae_task(model: SCAE, batch_size: int = 128, lr: float = 3e-5, optimizer: s
     step_loss = partial(_scae_batch_loss, image_likelihood=not freeze_pcae)  # frozen: a constant
     return Task("scae", config, model, opt, EpochStream(train), step_loss,
                 lambda s: lr * lr_decay ** (s / decay_steps),
-                evaluate=lambda m: evaluate_scae(m, ev_train, ev_test, n_init=3),
+                evaluate=lambda m: evaluate_scae(m, ev_train, ev_test),
                 resume_command=resume_command or "train_scae(..., resume=True)", average=average)
 
 # %% ../nbs/11_ocae.ipynb #1af21e9c
@@ -446,15 +446,6 @@ def evaluate_scae(model: SCAE, train_batches, test_batches, n_init: int = 10,
 PCAE_ONLY = dict(part_ll_weight=0.0, dynamic_l2=0.0, prior_within=0.0, prior_between=0.0,
                  posterior_within=0.0, posterior_between=0.0)
 
-def refuse_other_settings(path: Union[str, os.PathLike], what: str, held: SCAEConfig,
-                          asked: SCAEConfig, names) -> None:
-    "One line naming each of `names` whose setting in `asked` is not the checkpoint's (`held`)."
-    differ = [k for k in names if getattr(asked, k) != getattr(held, k)]
-    if differ:
-        raise UserError(f"{path} holds {what} with " + ", ".join(
-            f"{k}={getattr(held, k)!r}" for k in differ) + "; this run asks for " +
-            ", ".join(f"{k}={getattr(asked, k)!r}" for k in differ))
-
 def scae_from_pcae(path: Union[str, os.PathLike], config: Optional[SCAEConfig] = None,
                    seed: int = 0) -> SCAE:
     """The whole SCAE of `config` (default: the checkpoint's sizes, the official weights) with the
@@ -466,7 +457,8 @@ def scae_from_pcae(path: Union[str, os.PathLike], config: Optional[SCAEConfig] =
     official = {k: getattr(SCAEConfig(), k) for k in PCAE_ONLY}
     cfg = config or replace(pcae.config, **official)
     # the PCAE's own sizes must agree; the OCAE is new and may have any
-    refuse_other_settings(path, "a PCAE", pcae.config, cfg, PCAE_FIELDS)
+    refuse_other_settings(path, asdict(pcae.config), asdict(cfg), PCAE_FIELDS,
+                          what="holds a PCAE with")
     model = SCAE(cfg, seed=seed)
     for stage in PCAE_STAGES:
         getattr(model, stage).load_state_dict(getattr(pcae, stage).state_dict())
@@ -482,8 +474,9 @@ def scae_from_scae(path: Union[str, os.PathLike], config: Optional[SCAEConfig] =
     `config`'s loss settings (default: the checkpoint's own), in training mode."""
     old, _ = load_scae(path)
     cfg = config or old.config
-    refuse_other_settings(path, "an SCAE", old.config, cfg,
-                          [f.name for f in fields(SCAEConfig) if f.name not in LOSS_FIELDS])
+    refuse_other_settings(path, asdict(old.config), asdict(cfg),
+                          [f.name for f in fields(SCAEConfig) if f.name not in LOSS_FIELDS],
+                          what="holds an SCAE with")
     model = SCAE(cfg, seed=seed)
     model.load_state_dict(old.state_dict())
     return model.train()

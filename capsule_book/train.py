@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence, Union
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Protocol, Sequence, Union
 
 import numpy as np
 import torch
@@ -25,8 +25,8 @@ from .utils import pick_device
 # %% auto #0
 __all__ = ['UserError', 'CheckpointError', 'MissingCheckpoint', 'NonFiniteLoss', 'Interrupted', 'save_checkpoint',
            'remove_stale_temporaries', 'load_checkpoint', 'trained_weights', 'rng_state', 'set_rng_state', 'Stream',
-           'EpochStream', 'SyntheticStream', 'Task', 'RunResult', 'init_distributed', 'all_sum', 'make_run_folder',
-           'open_run', 'fit']
+           'EpochStream', 'SyntheticStream', 'Task', 'RunResult', 'init_distributed', 'all_sum',
+           'refuse_other_settings', 'make_run_folder', 'open_run', 'fit']
 
 # %% ../nbs/92_train.ipynb #7c69be35
 class UserError(Exception):
@@ -244,6 +244,18 @@ def all_sum(t: Tensor, world: int) -> Tensor:
 def _describe(config: dict) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in config.items())
 
+def refuse_other_settings(path: Union[str, os.PathLike], saved: dict, asked: dict,
+                          keys: Optional[Iterable[str]] = None, what: str = "was trained with",
+                          error: type = UserError) -> None:
+    """Refuse in one line a run that asks for settings (`asked`) other than a checkpoint's
+    (`saved`) on `keys` (default: every key of either): '{path} {what} k=v; this run asks for
+    k=v', naming each one that differs."""
+    keys = sorted(set(saved) | set(asked)) if keys is None else list(keys)
+    differ = [k for k in keys if saved.get(k) != asked.get(k)]
+    if differ:
+        raise error(f"{path} {what} {_describe({k: saved.get(k) for k in differ})}; this run "
+                    f"asks for {_describe({k: asked.get(k) for k in differ})}")
+
 def _refuse_file(out: Union[str, os.PathLike]) -> None:
     "Refuse an `out` that is a file, or lies under one."
     for p in (Path(out), *Path(out).parents):
@@ -299,13 +311,7 @@ def open_run(task: Task, out: Optional[Union[str, os.PathLike]], resume: bool,
     if ck.get("task") != task.name:
         raise CheckpointError(f"{ckpt} holds a {ck.get('task', 'unknown')} run, "
                               f"not a {task.name} run")
-    saved = ck.get("config", {})
-    differ = {k for k in set(saved) | set(task.config) if saved.get(k) != task.config.get(k)}
-    if differ:
-        keys = sorted(differ)
-        raise CheckpointError(f"{ckpt} was trained with "
-                              f"{_describe({k: saved.get(k) for k in keys})}; this run has "
-                              f"{_describe({k: task.config.get(k) for k in keys})}")
+    refuse_other_settings(ckpt, ck.get("config", {}), task.config, error=CheckpointError)
     rows = [r for r in _rows(run / "metrics.jsonl") if r["step"] <= ck["step"]]
     return ck, rows
 

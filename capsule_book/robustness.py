@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from .data import (EXPANDED_TEST_SEED, AffineSet, CanvasBatches, affine_test_set,
                                expanded_mnist, load_mnist)
-from .capsnet import lr_factor
+from .capsnet import lr_factor, run_steps
 from .train import (EpochStream, RunResult, Task, UserError, all_sum, fit,
                                 init_distributed, load_checkpoint, trained_weights)
 from .utils import check_images
@@ -150,9 +150,9 @@ def train_cnn(cfg: CNNConfig, resume_command: str = "") -> RunResult:
     rank, world, device, created = init_distributed(cfg.device)
     try:
         task, per_epoch = cnn_task(cfg, rank, world, device, resume_command)
-        steps = cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
-        return fit(task, steps, out=cfg.out, resume=cfg.resume, max_minutes=cfg.max_minutes,
-                   stop_at=cfg.stop_at, checkpoint_every=cfg.checkpoint_every,
+        return fit(task, run_steps(cfg, per_epoch), out=cfg.out, resume=cfg.resume,
+                   max_minutes=cfg.max_minutes, stop_at=cfg.stop_at,
+                   checkpoint_every=cfg.checkpoint_every,
                    checkpoint_minutes=cfg.checkpoint_minutes, log_every=cfg.log_every,
                    eval_every=cfg.eval_every or per_epoch, progress=cfg.progress, rank=rank,
                    world=world)

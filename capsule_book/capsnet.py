@@ -2,7 +2,7 @@
 
 # %% auto #0
 __all__ = ['CAPSNET_RUN_KEYS', 'PrimaryCaps', 'CapsNetOutput', 'mask_capsules', 'CapsNet', 'capsnet_loss', 'TrainConfig',
-           'capsnet_from_config', 'lr_factor', 'run_steps', 'cooldown_start', 'capsnet_schedule', 'routed_with',
+           'capsnet_from_config', 'lr_factor', 'eq41', 'run_steps', 'cooldown_start', 'capsnet_schedule', 'routed_with',
            'evaluate', 'capsnet_task', 'train_capsnet', 'load_capsnet', 'plot_reconstructions', 'perturb_capsule',
            'plot_perturbations', 'coupling_summary', 'plot_capsnet_coupling', 'routing_statistics', 'summarise_routing',
            'plot_routing_statistics']
@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from contextlib import contextmanager
-from typing import NamedTuple, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -200,42 +200,48 @@ def lr_factor(step: int, decay_rate: float = 0.96, decay_steps: int = 2000,
     "η(step)/η(0) of Eq. (4.1): decay_rate**(step/decay_steps), at least `floor`."
     return max(decay_rate ** (step / decay_steps), floor)
 
+def eq41(cfg) -> Callable[[int], float]:
+    "η(step) of Eq. (4.1) for a run's `lr`, `decay_rate`, `decay_steps` and `min_lr`."
+    return lambda s: cfg.lr * lr_factor(s, cfg.decay_rate, cfg.decay_steps, cfg.min_lr / cfg.lr)
+
 # %% ../nbs/04_capsnet.ipynb #b4e00778
-def run_steps(cfg: TrainConfig, per_epoch: int) -> int:
-    "Optimiser steps of the run `cfg` describes: `steps`, else `epochs` × batches per epoch."
+def run_steps(cfg, per_epoch: int) -> int:
+    """Optimiser steps of the run `cfg` describes (any settings with `steps` and `epochs`: a
+    `TrainConfig`, a `CNNConfig`): `steps`, else `epochs` × batches per epoch."""
     return cfg.steps if cfg.steps is not None else cfg.epochs * per_epoch
 
 def cooldown_start(cfg: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer,
                    stream: EpochStream, world: int = 1,
-                   device: Union[str, torch.device] = "cpu") -> dict:
+                   device: Union[str, torch.device] = "cpu", task: str = "capsnet",
+                   keys: tuple = CAPSNET_RUN_KEYS) -> dict:
     """Load the run checkpoint `cfg.cooldown_from` into `model`, `opt` and `stream`; returns its
-    step s0 and η(s0) of Eq. (4.1). Other settings, or a cooldown's checkpoint, are refused."""
+    step s0 and η(s0) of Eq. (4.1). Another `task`'s checkpoint, other settings `keys`, or a
+    cooldown's checkpoint are refused."""
     path = cfg.cooldown_from
-    ck = load_checkpoint(path, map_location=device)
-    if ck.get("task") != "capsnet":
-        raise UserError(f"{path} holds a {ck.get('task', 'unknown')} checkpoint, not a CapsNet one")
+    ck = load_checkpoint(path, map_location=device, task=task,
+                         model={"capsnet": "a CapsNet", "cnn": "a CNN"}.get(task))
     saved = ck["config"]
     if "cooldown_lr" in saved:
         raise UserError(f"{path} is a cooldown's checkpoint: cool down from the run it "
                         "started from")
-    asked = {**{k: getattr(cfg, k) for k in CAPSNET_RUN_KEYS}, "world_size": world}
+    asked = {**{k: getattr(cfg, k) for k in keys}, "world_size": world}
     refuse_other_settings(path, saved, asked, [k for k in asked if k in saved])
     model.load_state_dict(ck["model"])
     opt.load_state_dict(ck["optimizer"])
     stream.load_state_dict(ck["stream"])
-    eta0 = cfg.lr * lr_factor(ck["step"], cfg.decay_rate, cfg.decay_steps, cfg.min_lr / cfg.lr)
-    return {"step": ck["step"], "lr": eta0}
+    return {"step": ck["step"], "lr": eq41(cfg)(ck["step"])}
 
 # %% ../nbs/04_capsnet.ipynb #2b8f6f7c
 def capsnet_schedule(cfg: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer,
                      stream: EpochStream, world: int = 1,
-                     device: Union[str, torch.device] = "cpu") -> tuple:
+                     device: Union[str, torch.device] = "cpu", task: str = "capsnet",
+                     keys: tuple = CAPSNET_RUN_KEYS) -> tuple:
     """(η(step), settings added to the run's): Eq. (4.1), or with `cfg.cooldown_from` Eq. (4.2)
-    from that checkpoint, loaded into `model`, `opt` and `stream`."""
+    from that checkpoint, loaded into `model`, `opt` and `stream` (Chapter 4b's CNN: `task`
+    "cnn" and its run's `keys`)."""
     if not cfg.cooldown_from:
-        return (lambda s: cfg.lr * lr_factor(s, cfg.decay_rate, cfg.decay_steps,
-                                             cfg.min_lr / cfg.lr)), {}
-    start = cooldown_start(cfg, model, opt, stream, world, device)
+        return eq41(cfg), {}
+    start = cooldown_start(cfg, model, opt, stream, world, device, task, keys)
     steps = run_steps(cfg, len(stream))                    # S of Eq. (4.2)
     return ((lambda s: start["lr"] * (1 - s / steps)),
             {"cooldown_from_step": start["step"], "cooldown_lr": start["lr"],
@@ -332,9 +338,7 @@ def load_capsnet(path: Union[str, Path],
                  device: Union[str, torch.device] = "cpu") -> tuple[CapsNet, dict]:
     """The CapsNet of a run's checkpoint (eval mode, on `device`) and the
     checkpoint; another model's is refused."""
-    ck = load_checkpoint(path, map_location=device)
-    if ck.get("task") != "capsnet":
-        raise UserError(f"{path} holds a {ck.get('task', 'unknown')} checkpoint, not a CapsNet one")
+    ck = load_checkpoint(path, map_location=device, task="capsnet", model="a CapsNet")
     model = capsnet_from_config(ck["config"]).to(device)
     model.load_state_dict(trained_weights(ck))   # the average, if the run kept one
     return model.eval(), ck

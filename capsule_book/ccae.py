@@ -510,9 +510,7 @@ def load_ccae(path: Union[str, os.PathLike],
               device: Optional[Union[str, torch.device]] = "cpu") -> tuple[CCAE, dict]:
     """The CCAE of a run's checkpoint (eval mode, on `device`) and the
     checkpoint; another model's is refused."""
-    ck = load_checkpoint(path, map_location=device)
-    if ck.get("task") != "ccae":
-        raise UserError(f"{path} holds a {ck.get('task', 'unknown')} checkpoint, not a CCAE one")
+    ck = load_checkpoint(path, map_location=device, task="ccae", model="a CCAE")
     model = CCAE(**ck["config"]["model"]).to(device)
     # the moving average of the weights where the run kept one
     model.load_state_dict(trained_weights(ck))

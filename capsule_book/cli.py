@@ -368,6 +368,9 @@ def cnn_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-at-accuracy", type=number(0.0, 1.0), default=None,
                    help="end the run, finished, at the first evaluation at least this accurate "
                         "(Chapter 4b: 0.992)")
+    p.add_argument("--cooldown-from", metavar="CHECKPOINT", default=None,
+                   help="a CNN run's last.pt: go on from it with η falling linearly to 0 over "
+                        "this run (Chapter 4's Eq. 4.2)")
     p.add_argument("--limit-train", type=positive, default=None)
     p.add_argument("--limit-test", type=positive, default=None)
     p.add_argument("--sample", action="store_true",
@@ -383,6 +386,7 @@ def train_cnn_command(args: argparse.Namespace) -> int:
     from capsule_book.robustness import CNNConfig, train_cnn
     cfg = CNNConfig(epochs=args.epochs, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                     dropout=args.dropout, stop_accuracy=args.stop_at_accuracy,
+                    cooldown_from=args.cooldown_from,
                     limit_train=args.limit_train,
                     limit_test=args.limit_test, sample=args.sample, seed=args.seed,
                     device=args.device, data_root=args.data_root,

@@ -215,9 +215,7 @@ def load_mog(path: Union[str, Path],
              device: Union[str, torch.device] = "cpu") -> tuple[nn.Module, dict]:
     """The model of a MoG run's checkpoint (eval mode, on `device`) and the
     checkpoint; another model's is refused."""
-    ck = load_checkpoint(path, map_location=device)
-    if ck.get("task") != "mog":
-        raise UserError(f"{path} holds a {ck.get('task', 'unknown')} checkpoint, not a MoG one")
+    ck = load_checkpoint(path, map_location=device, task="mog", model="a MoG")
     model = mog_model(ck["config"]).to(device)
     model.load_state_dict(trained_weights(ck))   # the average, if the run kept one
     return model.eval(), ck

@@ -11,16 +11,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .data import (EXPANDED_TEST_SEED, AffineSet, CanvasBatches, affine_test_set,
-                               expanded_mnist, load_mnist)
-from .capsnet import lr_factor, run_steps
+from .data import (EXPANDED_TEST_SEED, AffineRanges, AffineSet, CanvasBatches,
+                               affine_test_set, expanded_mnist, load_mnist)
+from .capsnet import capsnet_schedule, run_steps
 from .train import (EpochStream, RunResult, Task, UserError, all_sum, fit,
                                 init_distributed, load_checkpoint, trained_weights)
 from .utils import check_images
 
 # %% auto #0
 __all__ = ['CNN_RUN_KEYS', 'BaselineCNN', 'predict', 'accuracy_by', 'CNNConfig', 'evaluate_classifier', 'cnn_task', 'train_cnn',
-           'robustness_report', 'load_cnn', 'plot_affine_examples']
+           'robustness_report', 'load_cnn', 'plot_affine_examples', 'plot_accuracy_by']
 
 # %% ../nbs/04b_affine.ipynb #814ca551
 class BaselineCNN(nn.Module):
@@ -103,6 +103,7 @@ class CNNConfig:
     log_every: int = 50
     eval_every: Optional[int] = None      # default: once an epoch
     stop_accuracy: Optional[float] = None  # end at the first evaluation at least this accurate
+    cooldown_from: Optional[str] = None   # a run's last.pt: this run cools it down, Eq. (4.2)
 
 CNN_RUN_KEYS = ("batch_size", "lr", "decay_rate", "decay_steps", "min_lr", "dropout", "pool",
                 "canvas", "limit_train", "limit_test", "sample", "seed")
@@ -125,20 +126,22 @@ def evaluate_classifier(model: nn.Module, batches, world: int = 1) -> dict:
 def cnn_task(cfg: CNNConfig, rank: int = 0, world: int = 1,
              device: Union[str, torch.device] = "cpu",
              resume_command: str = "") -> tuple[Task, int]:
-    "The engine's task for a CNN run (model, Adam, Eq. 4.1, expanded MNIST, cross entropy)."
+    """The engine's task for a CNN run (model, Adam, Eq. 4.1 or Chapter 4's cooldown, expanded
+    MNIST, cross entropy)."""
     torch.manual_seed(cfg.seed)
     model = BaselineCNN(cfg.canvas, pool=cfg.pool, dropout=cfg.dropout).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     train, test = expanded_mnist(cfg, rank, world, device)
+    stream = EpochStream(train)
+    eta, cooldown = capsnet_schedule(cfg, model, opt, stream, world, device, "cnn", CNN_RUN_KEYS)
 
     def loss(net: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, dict]:
         x, y = batch
         logits = net(x)
         return F.cross_entropy(logits, y), {"accuracy": (logits.argmax(-1) == y).float().mean()}
 
-    config = {**{k: getattr(cfg, k) for k in CNN_RUN_KEYS}, "world_size": world}
-    eta = lambda s: cfg.lr * lr_factor(s, cfg.decay_rate, cfg.decay_steps, cfg.min_lr / cfg.lr)
-    task = Task("cnn", config, model, opt, EpochStream(train), loss, eta,
+    config = {**{k: getattr(cfg, k) for k in CNN_RUN_KEYS}, "world_size": world, **cooldown}
+    task = Task("cnn", config, model, opt, stream, loss, eta,
                 evaluate=lambda m: evaluate_classifier(m, test, world), ddp=True,
                 resume_command=resume_command or "train_cnn(CNNConfig(..., resume=True))",
                 until=(None if cfg.stop_accuracy is None
@@ -162,25 +165,26 @@ def train_cnn(cfg: CNNConfig, resume_command: str = "") -> RunResult:
 # %% ../nbs/04b_affine.ipynb #f2dad924
 def robustness_report(model: nn.Module, data_root: Optional[str] = None,
                       limit: Optional[int] = None, sample: bool = False, batch_size: int = 500,
-                      affine_seed: int = 0) -> dict:
+                      affine_seed: int = 0, per_digit: bool = False) -> dict:
     """Accuracy of `model` (a 40x40 CapsNet or BaselineCNN) on the expanded test set and on the
-    affNIST-style set made from the same MNIST test digits (Appendix B)."""
+    affNIST-style set made from the same MNIST test digits (Appendix B); with `per_digit`, also
+    the affine set (`affine_set`) and which of its digits the model gets right
+    (`affine_correct`)."""
     x, y = load_mnist(False, root=data_root, limit=limit, sample=sample)
     dev = next(model.parameters()).device
     expanded = CanvasBatches(x, y, batch_size, canvas=40, uniform=True, seed=EXPANDED_TEST_SEED,
                              pad=False, device=dev)
     aff = affine_test_set(x, y, seed=affine_seed)
     right = predict(model, aff.images.to(dev), batch_size).cpu() == aff.labels
-    return {"expanded_accuracy": evaluate_classifier(model, expanded)["accuracy"],
-            "affine_accuracy": right.double().mean().item(), "n": len(y),
-            "affine_seed": affine_seed}
+    report = {"expanded_accuracy": evaluate_classifier(model, expanded)["accuracy"],
+              "affine_accuracy": right.double().mean().item(), "n": len(y),
+              "affine_seed": affine_seed}
+    return {**report, "affine_set": aff, "affine_correct": right} if per_digit else report
 
 def load_cnn(path: Union[str, Path], device: Union[str, torch.device] = "cpu"
              ) -> tuple[BaselineCNN, dict]:
     "The CNN of a run's checkpoint (eval mode, on `device`) and the checkpoint."
-    ck = load_checkpoint(path, map_location=device)
-    if ck.get("task") != "cnn":
-        raise UserError(f"{path} holds a {ck.get('task', 'unknown')} checkpoint, not a CNN one")
+    ck = load_checkpoint(path, map_location=device, task="cnn", model="a CNN")
     c = ck["config"]
     model = BaselineCNN(c["canvas"], pool=c["pool"], dropout=c["dropout"]).to(device)
     model.load_state_dict(trained_weights(ck))
@@ -204,5 +208,26 @@ def plot_affine_examples(aff: AffineSet, originals: Tensor, n: int = 8,
                              f"s {sx:.2f}, {sy:.2f}{said}", fontsize=6)
         for a in axes[:, i]: a.set_xticks([]); a.set_yticks([])
     axes[0, 0].set_ylabel("MNIST", fontsize=8); axes[1, 0].set_ylabel("affine", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+# %% ../nbs/04b_affine.ipynb #bb913612
+def plot_accuracy_by(aff: AffineSet, correct: dict[str, Tensor], bins: int = 8):
+    """Accuracy of each named model (`correct`: [N] bool, one per digit of `aff`) against the
+    rotation θ and the scale √(s_x s_y), in `bins` equal bins over affNIST's ranges; the Figure."""
+    import matplotlib.pyplot as plt
+    r = AffineRanges()
+    theta_edges = torch.linspace(-r.rotation, r.rotation, bins + 1)
+    axes_of = {"rotation θ (degrees)": (aff.rotation, theta_edges),
+               "scale √(s_x s_y)": (aff.scale.prod(-1).sqrt(), torch.linspace(*r.scale, bins + 1))}
+    fig, axes = plt.subplots(2, 2, figsize=(9, 4.2), height_ratios=(3, 1), sharex="col")
+    for j, (label, (values, edges)) in enumerate(axes_of.items()):
+        for name, right in correct.items():
+            centres, acc, counts = accuracy_by(right, values.to(edges.dtype), edges.double())
+            axes[0, j].plot(centres, 100 * acc, "o-", label=name)
+        axes[1, j].bar(centres, counts, width=0.8 * (edges[1] - edges[0]).item(), color="0.6")
+        axes[0, j].set_ylabel("accuracy (%)"); axes[1, j].set_ylabel("digits")
+        axes[1, j].set_xlabel(label); axes[0, j].grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=8)
     fig.tight_layout()
     return fig

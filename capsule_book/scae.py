@@ -365,9 +365,7 @@ def load_scae(path: Union[str, os.PathLike],
               device: Optional[Union[str, torch.device]] = "cpu") -> tuple[SCAE, dict]:
     """The SCAE of a run's checkpoint (eval mode, on `device`) and the checkpoint; another
     model's is refused."""
-    ck = load_checkpoint(path, map_location=device)
-    if ck.get("task") != "scae":
-        raise UserError(f"{path} holds a {ck.get('task', 'unknown')} checkpoint, not an SCAE one")
+    ck = load_checkpoint(path, map_location=device, task="scae", model="an SCAE")
     model = SCAE(ck["config"]["model"]).to(device)
     model.load_state_dict(trained_weights(ck))
     return model.eval(), ck

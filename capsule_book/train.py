@@ -87,9 +87,11 @@ def remove_stale_temporaries(folder: Union[str, os.PathLike], name: str = "last.
 
 # %% ../nbs/92_train.ipynb #4d4b8aee
 def load_checkpoint(path: Union[str, os.PathLike],
-                    map_location: Union[str, torch.device] = "cpu") -> dict:
+                    map_location: Union[str, torch.device] = "cpu",
+                    task: Optional[str] = None, model: Optional[str] = None) -> dict:
     """Read a checkpoint written by `save_checkpoint`; a missing or unreadable file raises
-    a `CheckpointError` naming it."""
+    a `CheckpointError` naming it. With `task`, another task's checkpoint is refused by a
+    `UserError` that names both (`model`: how the message names the expected one, "a CNN")."""
     path = Path(path)
     if not path.is_file(): raise MissingCheckpoint(f"no checkpoint at {path}")
     try:                               # it holds numpy's RNG state, hence weights_only=False
@@ -100,6 +102,9 @@ def load_checkpoint(path: Union[str, os.PathLike],
             f"{str(e).splitlines()[0][:120] if str(e) else 'truncated or corrupt'})") from None
     if not isinstance(ck, dict) or "model" not in ck:
         raise CheckpointError(f"{path} is not a capsule_book checkpoint (no model state in it)")
+    if task is not None and ck.get("task") != task:
+        raise UserError(f"{path} holds a {ck.get('task', 'unknown')} checkpoint, "
+                        f"not {model or 'a ' + task} one")
     return ck
 
 def trained_weights(ck: dict) -> dict:

@@ -187,3 +187,33 @@ def test_a_run_ends_finished_at_its_target_accuracy(tmp_path, capsys):
     assert load_checkpoint(out / "last.pt")["step"] == 2
     assert main(["train", "cnn", "--resume"] + tiny[:-1] + ["1"]) == 0
     assert load_checkpoint(out / "last.pt")["step"] == 10
+
+
+def test_the_cnn_cools_down_from_its_run_as_capsnet_does(tmp_path, capsys):
+    "Chapter 4's Eq. (4.2) for the CNN: η from the run's last Eq. (4.1) value down to 0, its data going on."
+    import json
+    from capsule_book.cli import main
+    from capsule_book.train import load_checkpoint
+    run, cool = tmp_path / "run", tmp_path / "cool"
+    tiny = ["--sample", "--batch-size", "8", "--limit-train", "32", "--limit-test", "8", "--no-progress",
+            "--device", "cpu", "--log-every", "1"]
+    assert main(["train", "cnn", "--steps", "3", "--out", str(run)] + tiny) == 0
+    assert main(["train", "cnn", "--steps", "4", "--out", str(cool), "--cooldown-from", str(run / "last.pt")]
+                + tiny) == 0
+    rows = [json.loads(l) for l in (cool / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+    eta0 = 1e-3 * 0.96 ** (3 / 2000)
+    assert [r["lr"] for r in rows] == pytest.approx([eta0 * (1 - s / 4) for s in range(4)], rel=1e-12)
+    assert [r["epoch"] for r in rows] == [1.0, 1.25, 1.5, 1.75]       # 4 batches an epoch: steps 4 to 7
+    ck, base = load_checkpoint(cool / "last.pt"), load_checkpoint(run / "last.pt")
+    assert (ck["config"]["cooldown_from_step"], ck["config"]["cooldown_steps"]) == (3, 4)
+    first = next(iter(base["model"]))                                 # the cooldown trained on from the run
+    assert not torch.equal(ck["model"][first], base["model"][first])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:                             # other settings are refused by name
+        main(["train", "cnn", "--steps", "4", "--out", str(tmp_path / "x"), "--lr", "0.01",
+              "--cooldown-from", str(run / "last.pt")] + tiny)
+    assert e.value.code == 2 and "was trained with lr=0.001; this run asks for lr=0.01" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:                             # and a cooldown's own checkpoint
+        main(["train", "cnn", "--steps", "4", "--out", str(tmp_path / "y"),
+              "--cooldown-from", str(cool / "last.pt")] + tiny)
+    assert e.value.code == 2 and "is a cooldown's checkpoint" in capsys.readouterr().err

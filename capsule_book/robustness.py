@@ -223,7 +223,7 @@ def plot_accuracy_by(aff: AffineSet, correct: dict[str, Tensor], bins: int = 8):
     fig, axes = plt.subplots(2, 2, figsize=(9, 4.2), height_ratios=(3, 1), sharex="col")
     for j, (label, (values, edges)) in enumerate(axes_of.items()):
         for name, right in correct.items():
-            centres, acc, counts = accuracy_by(right, values.to(edges.dtype), edges.double())
+            centres, acc, counts = accuracy_by(right, values.double(), edges.double())
             axes[0, j].plot(centres, 100 * acc, "o-", label=name)
         axes[1, j].bar(centres, counts, width=0.8 * (edges[1] - edges[0]).item(), color="0.6")
         axes[0, j].set_ylabel("accuracy (%)"); axes[1, j].set_ylabel("digits")

@@ -2,10 +2,10 @@
 
 # %% auto #0
 __all__ = ['CAPSNET_RUN_KEYS', 'PrimaryCaps', 'CapsNetOutput', 'mask_capsules', 'CapsNet', 'capsnet_loss', 'TrainConfig',
-           'capsnet_from_config', 'lr_factor', 'eq41', 'run_steps', 'cooldown_start', 'capsnet_schedule', 'routed_with',
-           'evaluate', 'capsnet_task', 'train_capsnet', 'load_capsnet', 'plot_reconstructions', 'perturb_capsule',
-           'plot_perturbations', 'coupling_summary', 'plot_capsnet_coupling', 'routing_statistics', 'summarise_routing',
-           'plot_routing_statistics']
+           'capsnet_from_config', 'lr_factor', 'eq41', 'run_steps', 'cooldown_start', 'resumed_cooldown',
+           'capsnet_schedule', 'routed_with', 'evaluate', 'capsnet_task', 'train_capsnet', 'load_capsnet',
+           'plot_reconstructions', 'perturb_capsule', 'plot_perturbations', 'coupling_summary', 'plot_capsnet_coupling',
+           'routing_statistics', 'summarise_routing', 'plot_routing_statistics']
 
 # %% ../nbs/04_capsnet.ipynb #5f38e83e
 import json
@@ -232,6 +232,15 @@ def cooldown_start(cfg: TrainConfig, model: nn.Module, opt: torch.optim.Optimize
     return {"step": ck["step"], "lr": eq41(cfg)(ck["step"])}
 
 # %% ../nbs/04_capsnet.ipynb #2b8f6f7c
+def resumed_cooldown(out: Optional[str]) -> Optional[dict]:
+    """s0 and η(s0) of the cooldown whose checkpoint `out`/last.pt holds (None: no cooldown's
+    checkpoint there)."""
+    ckpt = Path(out) / "last.pt" if out else None
+    if ckpt is None or not ckpt.is_file(): return None
+    saved = load_checkpoint(ckpt).get("config", {})
+    if "cooldown_lr" not in saved: return None
+    return {"step": saved["cooldown_from_step"], "lr": saved["cooldown_lr"]}
+
 def capsnet_schedule(cfg: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer,
                      stream: EpochStream, world: int = 1,
                      device: Union[str, torch.device] = "cpu", task: str = "capsnet",
@@ -241,7 +250,9 @@ def capsnet_schedule(cfg: TrainConfig, model: nn.Module, opt: torch.optim.Optimi
     "cnn" and its run's `keys`)."""
     if not cfg.cooldown_from:
         return eq41(cfg), {}
-    start = cooldown_start(cfg, model, opt, stream, world, device, task, keys)
+    # a resumed cooldown takes s0 and η(s0) from its own checkpoint: its base may be gone
+    start = (resumed_cooldown(cfg.out) if cfg.resume else None) or cooldown_start(
+        cfg, model, opt, stream, world, device, task, keys)
     steps = run_steps(cfg, len(stream))                    # S of Eq. (4.2)
     return ((lambda s: start["lr"] * (1 - s / steps)),
             {"cooldown_from_step": start["step"], "cooldown_lr": start["lr"],

@@ -182,6 +182,22 @@ def test_cli_cooldown_goes_on_from_a_run_with_eta_down_to_zero(tmp_path, capsys)
         capsys)
 
 
+def test_cli_cooldown_resumes_exactly_after_its_base_is_deleted(tmp_path, capsys):
+    run, whole, cut = tmp_path / "run", tmp_path / "whole", tmp_path / "cut"
+    assert main(["train", "capsnet", "--epochs", "1", "--out", str(run), *SMALL_CAPSNET]) == 0      # 2 steps
+    cool = ["train", "capsnet", "--epochs", "2", "--log-every", "1", "--cooldown-from", str(run / "last.pt"),
+            *SMALL_CAPSNET]
+    assert main([*cool, "--out", str(whole)]) == 0
+    assert main([*cool, "--out", str(cut), "--max-minutes", "0.0001"]) == 0      # stopped after its first step
+    assert load_checkpoint(cut / "last.pt")["step"] < 4
+    (run / "last.pt").unlink()                          # the cooldown's own checkpoint holds s0 and η(s0)
+    assert main([*cool, "--out", str(cut), "--resume"]) == 0
+    rows = {d: [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()] for d in (whole, cut)}
+    assert [(r["step"], r["lr"], r["loss"]) for r in rows[cut]] == [(r["step"], r["lr"], r["loss"]) for r in rows[whole]]
+    a, b = (load_checkpoint(d / "last.pt") for d in (whole, cut))
+    assert a["step"] == b["step"] == 4 and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
 def test_capsnet_refuses_integer_images():
     with pytest.raises(TypeError, match=r"float images in \[0, 1\].*images.float\(\) / 255"):
         CapsNet(1).eval()(torch.zeros(2, 1, 28, 28, dtype=torch.uint8))

@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = ['CAPSNET_RUN_KEYS', 'PrimaryCaps', 'CapsNetOutput', 'mask_capsules', 'CapsNet', 'capsnet_loss', 'TrainConfig',
            'capsnet_from_config', 'lr_factor', 'eq41', 'run_steps', 'cooldown_start', 'resumed_cooldown',
-           'capsnet_schedule', 'routed_with', 'evaluate', 'capsnet_task', 'train_capsnet', 'load_capsnet',
+           'eq41_or_cooldown', 'routed_with', 'evaluate', 'capsnet_task', 'train_capsnet', 'load_capsnet',
            'plot_reconstructions', 'perturb_capsule', 'plot_perturbations', 'coupling_summary', 'plot_capsnet_coupling',
            'routing_statistics', 'summarise_routing', 'plot_routing_statistics']
 
@@ -213,13 +213,12 @@ def run_steps(cfg, per_epoch: int) -> int:
 def cooldown_start(cfg: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer,
                    stream: EpochStream, world: int = 1,
                    device: Union[str, torch.device] = "cpu", task: str = "capsnet",
-                   keys: tuple = CAPSNET_RUN_KEYS) -> dict:
+                   keys: tuple = CAPSNET_RUN_KEYS, model_name: str = "a CapsNet") -> dict:
     """Load the run checkpoint `cfg.cooldown_from` into `model`, `opt` and `stream`; returns its
-    step s0 and η(s0) of Eq. (4.1). Another `task`'s checkpoint, other settings `keys`, or a
-    cooldown's checkpoint are refused."""
+    step s0 and η(s0) of Eq. (4.1). Another `task`'s checkpoint (named
+    `model_name` in the message), other settings `keys`, or a cooldown's checkpoint are refused."""
     path = cfg.cooldown_from
-    ck = load_checkpoint(path, map_location=device, task=task,
-                         model={"capsnet": "a CapsNet", "cnn": "a CNN"}.get(task))
+    ck = load_checkpoint(path, map_location=device, task=task, model=model_name)
     saved = ck["config"]
     if "cooldown_lr" in saved:
         raise UserError(f"{path} is a cooldown's checkpoint: cool down from the run it "
@@ -241,18 +240,18 @@ def resumed_cooldown(out: Optional[str]) -> Optional[dict]:
     if "cooldown_lr" not in saved: return None
     return {"step": saved["cooldown_from_step"], "lr": saved["cooldown_lr"]}
 
-def capsnet_schedule(cfg: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer,
+def eq41_or_cooldown(cfg: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer,
                      stream: EpochStream, world: int = 1,
                      device: Union[str, torch.device] = "cpu", task: str = "capsnet",
-                     keys: tuple = CAPSNET_RUN_KEYS) -> tuple:
+                     keys: tuple = CAPSNET_RUN_KEYS, model_name: str = "a CapsNet") -> tuple:
     """(η(step), settings added to the run's): Eq. (4.1), or with `cfg.cooldown_from` Eq. (4.2)
     from that checkpoint, loaded into `model`, `opt` and `stream` (Chapter 4b's CNN: `task`
-    "cnn" and its run's `keys`)."""
+    "cnn", its run's `keys` and "a CNN", how messages name it)."""
     if not cfg.cooldown_from:
         return eq41(cfg), {}
     # a resumed cooldown takes s0 and η(s0) from its own checkpoint: its base may be gone
     start = (resumed_cooldown(cfg.out) if cfg.resume else None) or cooldown_start(
-        cfg, model, opt, stream, world, device, task, keys)
+        cfg, model, opt, stream, world, device, task, keys, model_name)
     steps = run_steps(cfg, len(stream))                    # S of Eq. (4.2)
     return ((lambda s: start["lr"] * (1 - s / steps)),
             {"cooldown_from_step": start["step"], "cooldown_lr": start["lr"],
@@ -320,7 +319,7 @@ def capsnet_task(cfg: TrainConfig, rank: int = 0, world: int = 1,
                 {"margin": l_margin.detach(), "accuracy": (out.predictions == y).float().mean()})
 
     stream = EpochStream(train)
-    eta, cooldown = capsnet_schedule(cfg, model, opt, stream, world, device)
+    eta, cooldown = eq41_or_cooldown(cfg, model, opt, stream, world, device)
     config = {**{k: getattr(cfg, k) for k in CAPSNET_RUN_KEYS}, "world_size": world, **cooldown}
     task = Task("capsnet", config, model, opt, stream, loss, eta,
                 evaluate=lambda m: evaluate(m, test, world), ddp=True,

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from .data import (EXPANDED_TEST_SEED, AffineRanges, AffineSet, CanvasBatches,
                                affine_test_set, expanded_mnist, load_mnist)
-from .capsnet import capsnet_schedule, run_steps
+from .capsnet import eq41_or_cooldown, run_steps
 from .train import (EpochStream, RunResult, Task, UserError, all_sum, fit,
                                 init_distributed, load_checkpoint, trained_weights)
 from .utils import check_images
@@ -133,7 +133,8 @@ def cnn_task(cfg: CNNConfig, rank: int = 0, world: int = 1,
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     train, test = expanded_mnist(cfg, rank, world, device)
     stream = EpochStream(train)
-    eta, cooldown = capsnet_schedule(cfg, model, opt, stream, world, device, "cnn", CNN_RUN_KEYS)
+    eta, cooldown = eq41_or_cooldown(cfg, model, opt, stream, world, device, "cnn", CNN_RUN_KEYS,
+                                     "a CNN")
 
     def loss(net: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, dict]:
         x, y = batch

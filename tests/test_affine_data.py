@@ -217,3 +217,8 @@ def test_the_cnn_cools_down_from_its_run_as_capsnet_does(tmp_path, capsys):
         main(["train", "cnn", "--steps", "4", "--out", str(tmp_path / "y"),
               "--cooldown-from", str(cool / "last.pt")] + tiny)
     assert e.value.code == 2 and "is a cooldown's checkpoint" in capsys.readouterr().err
+    other = tmp_path / "other.pt"                                     # and another task's, named as a CNN's
+    torch.save({**base, "task": "capsnet"}, other)
+    with pytest.raises(SystemExit) as e:
+        main(["train", "cnn", "--steps", "4", "--out", str(tmp_path / "z"), "--cooldown-from", str(other)] + tiny)
+    assert e.value.code == 2 and "holds a capsnet checkpoint, not a CNN one" in capsys.readouterr().err

@@ -31,7 +31,8 @@ def test_each_shipped_file_matches_its_entry(name):
     assert not model.training and all(p.dtype == torch.float32 for p in model.parameters())
 
 
-@pytest.mark.parametrize("name", sorted(n for n, e in MANIFEST.items() if e["model"] == "capsnet"))
+@pytest.mark.parametrize("name", sorted(n for n, e in MANIFEST.items()
+                                         if e["model"] == "capsnet" and not e["config"].get("canvas")))
 def test_shipped_capsnets_classify_the_sample(name):
     from capsule_book.capsnet import evaluate
     from capsule_book.data import MNISTBatches, load_mnist
@@ -40,13 +41,15 @@ def test_shipped_capsnets_classify_the_sample(name):
     assert res["accuracy"] >= 0.98, res                           # the full test set's figure is in the manifest
 
 
-@pytest.mark.parametrize("name", sorted(n for n, e in MANIFEST.items() if e["model"] == "cnn"))
-def test_shipped_cnns_classify_the_sample_at_its_offsets_and_in_new_poses(name):
-    "Chapter 4b's CNN on the first 1,000 test digits: the expanded set near its 99.2%, the affine set well above chance."
+@pytest.mark.parametrize("name", sorted(n for n, e in MANIFEST.items()
+                                         if e["model"] == "cnn" or e["config"].get("canvas")))
+def test_shipped_40x40_networks_classify_the_sample_at_its_offsets_and_in_new_poses(name):
+    """Chapter 4b's networks on the first 1,000 test digits: the expanded set near its 99.2%, the affine set near the
+    manifest's figure for all 10,000 (within 5 points: a sample of 1,000 scatters by about 1)."""
     from capsule_book.robustness import robustness_report
     res = robustness_report(weights.load(name), sample=True)
     assert res["n"] == 1000 and res["expanded_accuracy"] >= 0.98, res
-    assert res["affine_accuracy"] >= 0.8, res                    # 0.9044 on all 10,000 (the manifest)
+    assert abs(res["affine_accuracy"] - MANIFEST[name]["metric"]["affine_accuracy"]) <= 0.05, res
 
 
 @pytest.mark.parametrize("name", sorted(n for n, e in MANIFEST.items() if e["model"] == "mog"))

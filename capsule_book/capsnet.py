@@ -236,7 +236,7 @@ def resumed_cooldown(out: Optional[str]) -> Optional[dict]:
     checkpoint there)."""
     ckpt = Path(out) / "last.pt" if out else None
     if ckpt is None or not ckpt.is_file(): return None
-    saved = load_checkpoint(ckpt).get("config", {})
+    saved = load_checkpoint(ckpt, mmap=True).get("config", {})
     if "cooldown_lr" not in saved: return None
     return {"step": saved["cooldown_from_step"], "lr": saved["cooldown_lr"]}
 

@@ -88,14 +88,16 @@ def remove_stale_temporaries(folder: Union[str, os.PathLike], name: str = "last.
 # %% ../nbs/92_train.ipynb #4d4b8aee
 def load_checkpoint(path: Union[str, os.PathLike],
                     map_location: Union[str, torch.device] = "cpu",
-                    task: Optional[str] = None, model: Optional[str] = None) -> dict:
+                    task: Optional[str] = None, model: Optional[str] = None,
+                    mmap: bool = False) -> dict:
     """Read a checkpoint written by `save_checkpoint`; a missing or unreadable file raises
     a `CheckpointError` naming it. With `task`, another task's checkpoint is refused by a
-    `UserError` that names both (`model`: how the message names the expected one, "a CNN")."""
+    `UserError` that names both (`model`: how the message names the expected one, "a CNN").
+    `mmap`: tensors stay on disk until touched (a caller that reads only the settings)."""
     path = Path(path)
     if not path.is_file(): raise MissingCheckpoint(f"no checkpoint at {path}")
     try:                               # it holds numpy's RNG state, hence weights_only=False
-        ck = torch.load(path, map_location=map_location, weights_only=False)
+        ck = torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
     except Exception as e:
         raise CheckpointError(
             f"{path} is not a readable checkpoint ({type(e).__name__}: "
@@ -303,7 +305,7 @@ def open_run(task: Task, out: Optional[Union[str, os.PathLike]], resume: bool,
     run, ckpt = Path(out), Path(out) / "last.pt"
     if not resume:
         if ckpt.exists():
-            step = load_checkpoint(ckpt).get("step", "?")
+            step = load_checkpoint(ckpt, mmap=True).get("step", "?")
             raise UserError(f"{out} already holds a run at step {step}; pass --resume to continue "
                             "it or choose another --out")
         # (an empty metrics.jsonl blocks nothing)

@@ -33,3 +33,31 @@ def test_the_scae_job_trains_packs_and_loads(tmp_path):
         out = model(torch.rand(2, 1, 40, 40))
     assert not model.training and out.object_presence.shape == (2, 32)
     assert ((out.object_presence >= 0) & (out.object_presence <= 1)).all()
+
+
+def test_a_chapter_4b_job_runs_eq41_then_the_cooldown_and_packs_both_curves(tmp_path):
+    """A CapsNet of Chapter 4b trains in two runs, as its manifest command says: Eq. (4.1) in NAME-base, then the
+    cooldown from that run's checkpoint; the pack carries both runs' metrics."""
+    env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"),
+           "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    (tmp_path / "out").mkdir()
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "train", "capsnet-expanded-r1"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "sent: capsnet-expanded-r1" in done.stdout, done.stdout + done.stderr
+    parts = sorted((tmp_path / "out").glob("capsnet-expanded-r1.tar*"))
+    (tmp_path / "pack.tar").write_bytes(b"".join(p.read_bytes() for p in parts))
+    with tarfile.open(tmp_path / "pack.tar") as tar:
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    pack = tmp_path / "unpacked" / "capsnet-expanded-r1"
+    entry = json.loads((pack / "weights" / "manifest.json").read_text())["models"]["capsnet-expanded-r1"]
+    first, second = entry["command"].split(" && ")
+    assert "--steps 967 --out runs/capsnet-expanded-r1" in first and "--routing-iterations 1" in first
+    assert "--cooldown-from runs/capsnet-expanded-r1/last.pt --epochs 6" in second
+    assert entry["config"]["cooldown_from_step"] == 3 and entry["config"]["routing_iterations"] == 1
+    base = [json.loads(r) for r in (pack / "base-metrics.jsonl").read_text().splitlines()]
+    cool = [json.loads(r) for r in (pack / "metrics.jsonl").read_text().splitlines()]
+    assert base[-1]["step"] == 3 and cool[-1]["step"] == 3 and cool[-1]["lr"] < base[-1]["lr"]
+    model = weights.load("capsnet-expanded-r1", folder=pack / "weights", download=False)
+    with torch.no_grad():
+        caps = model(torch.rand(2, 1, 40, 40)).caps
+    assert caps.shape == (2, 10, 16) and (caps.norm(dim=-1) < 1).all()          # squashed: lengths below 1

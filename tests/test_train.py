@@ -141,6 +141,8 @@ def test_an_occupied_folder_a_foreign_or_broken_checkpoint_is_refused(tmp_path, 
     (broken / "last.pt").write_bytes((run / "last.pt").read_bytes()[:1000])       # truncated
     line = refused(["eval", "capsnet", "--checkpoint", str(broken / "last.pt"), "--sample"], capsys)
     assert f"{broken / 'last.pt'} is not a readable checkpoint" in line
+    line = refused(["train", "capsnet", "--steps", "2", "--out", str(broken), *SMALL_CAPSNET], capsys)
+    assert f"{broken / 'last.pt'} is not a readable checkpoint" in line      # read memory-mapped there
     assert "nothing to resume" in refused(["train", "capsnet", "--resume", "--out", str(tmp_path / "none"),
                                            *SMALL_CAPSNET], capsys)
 

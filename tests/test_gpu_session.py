@@ -14,16 +14,23 @@ from capsule_book import weights
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_scae_job_trains_packs_and_loads(tmp_path):
+def run_job(tmp_path, job):
+    "gpu_session.sh's SMOKE path for `job`; asserts it was sent back and returns the unpacked pack."
     env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"),
            "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     (tmp_path / "out").mkdir()
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "train", "scae-mnist"],
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "train", job],
                           env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "sent: scae-mnist" in done.stdout, done.stdout + done.stderr
-    with tarfile.open(tmp_path / "out" / "scae-mnist.tar") as tar:
+    assert done.returncode == 0 and f"sent: {job}" in done.stdout, done.stdout + done.stderr
+    parts = sorted((tmp_path / "out").glob(f"{job}.tar*"))
+    (tmp_path / "pack.tar").write_bytes(b"".join(p.read_bytes() for p in parts))
+    with tarfile.open(tmp_path / "pack.tar") as tar:
         tar.extractall(tmp_path / "unpacked", filter="data")
-    pack = tmp_path / "unpacked" / "scae-mnist"
+    return tmp_path / "unpacked" / job
+
+
+def test_the_scae_job_trains_packs_and_loads(tmp_path):
+    pack = run_job(tmp_path, "scae-mnist")
     entry = json.loads((pack / "weights" / "manifest.json").read_text())["models"]["scae-mnist"]
     assert entry["dtype"] == "float16" and entry["command"].startswith("capsule-book train scae --batch-size 128")
     assert "trained on the CPU by benchmarks/gpu_session.sh" in entry["notes"]
@@ -38,17 +45,7 @@ def test_the_scae_job_trains_packs_and_loads(tmp_path):
 def test_a_chapter_4b_job_runs_eq41_then_the_cooldown_and_packs_both_curves(tmp_path):
     """A CapsNet of Chapter 4b trains in two runs, as its manifest command says: Eq. (4.1) in NAME-base, then the
     cooldown from that run's checkpoint; the pack carries both runs' metrics."""
-    env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"),
-           "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
-    (tmp_path / "out").mkdir()
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "train", "capsnet-expanded-r1"],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "sent: capsnet-expanded-r1" in done.stdout, done.stdout + done.stderr
-    parts = sorted((tmp_path / "out").glob("capsnet-expanded-r1.tar*"))
-    (tmp_path / "pack.tar").write_bytes(b"".join(p.read_bytes() for p in parts))
-    with tarfile.open(tmp_path / "pack.tar") as tar:
-        tar.extractall(tmp_path / "unpacked", filter="data")
-    pack = tmp_path / "unpacked" / "capsnet-expanded-r1"
+    pack = run_job(tmp_path, "capsnet-expanded-r1")
     entry = json.loads((pack / "weights" / "manifest.json").read_text())["models"]["capsnet-expanded-r1"]
     first, second = entry["command"].split(" && ")
     assert "--steps 967 --out runs/capsnet-expanded-r1" in first and "--routing-iterations 1" in first

@@ -147,8 +147,8 @@ run_job() {   # NAME: its run (resumed where a checkpoint is), or its two runs, 
   if [ ! -e "$run/last.pt" ]; then                            # Eq. (4.1) first, in NAME-base
     "${CB[@]}" train "${a[@]}" "${size[@]}" --steps "$steps" --out "$run-base" --device "$DEVICE" \
       --no-progress --max-minutes "$(left)" $( [ -e "$run-base/last.pt" ] && echo --resume ) || return
-    base=$("$PYTHON" -c "import sys, torch; print(torch.load(sys.argv[1], map_location='cpu', mmap=True,
-weights_only=False)['step'])" "$run-base/last.pt") || return
+    base=$("$PYTHON" -c "import sys; from capsule_book.train import load_checkpoint
+print(load_checkpoint(sys.argv[1], mmap=True)['step'])" "$run-base/last.pt") || return
     [ "$base" = "$steps" ] || { echo "$name: Eq. (4.1) stopped at step $base of $steps"; return; }
   fi
   [ "$(left)" -gt 0 ] || return

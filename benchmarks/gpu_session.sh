@@ -15,10 +15,10 @@
 # with it: copy ../shared/data/mnist/*.gz to data/mnist/ (ignored by git) and name `data` in the call's carry.
 # The trip back holds 8 files of at most 16 MiB, 64 MiB in all: a pack larger than 15 MiB is cut into parts
 # (`cat NAME.tar.part-* > NAME.tar`). Here, afterwards: `tar xf NAME.tar` gives NAME/weights/NAME.pt, the entry to
-# merge into weights/manifest.json (NAME/weights/manifest.json) and NAME/metrics.jsonl for benchmarks/results/.
-# A job of Chapter 4b trains in two runs (Eq. 4.1, then the cooldown, as its manifest command says); its pack
-# holds the first run's curve as NAME/base-metrics.jsonl: merge the two, the cooldown's steps and seconds counted
-# on, and add the first run's steps and seconds to the manifest entry's.
+# merge into weights/manifest.json (NAME/weights/manifest.json) and NAME/metrics.jsonl, which the entry names as
+# benchmarks/results/NAME.metrics.jsonl. A job of Chapter 4b trains in two runs (Eq. 4.1, then the cooldown, as its
+# manifest command says): it is shipped by weights.ship_two_runs, so its metrics.jsonl is the two runs' curve as one
+# and its entry counts both runs' steps and seconds.
 set -uo pipefail
 MODE=${1:-train}; shift || true
 OUT=${OUT:?set OUT to the folder whose files come back}
@@ -52,16 +52,18 @@ args_of() {
   case $1 in
     capsnet-mnist) echo "capsnet --epochs 50 --eval-every 2345" ;;               # the official schedule, 50 epochs
     # Chapter 4b's networks: Eq. (4.1) for `base_steps` (the run NAME-base), then the cooldown of `cooldown_of`
-    capsnet-expanded) echo "capsnet --canvas 40 --eval-every 469" ;;
-    capsnet-expanded-r1) echo "capsnet --canvas 40 --routing-iterations 1 --eval-every 469" ;;
-    cnn-expanded) echo "cnn --eval-every 469" ;;
+    capsnet-expanded) echo "capsnet --canvas 40" ;;
+    capsnet-expanded-r1) echo "capsnet --canvas 40 --routing-iterations 1" ;;
+    cnn-expanded) echo "cnn" ;;
     # the image SCAE (issue 29) at the official batch, with the tenfold rate that moves it in a short budget
     scae-mnist) echo "scae --batch-size 128 --lr 3e-4 --eval-every 5000 --eval-n 5000" ;;
     *) echo "unknown job $1 (jobs: ${ALL[*]})" >&2; return 2 ;;
   esac
 }
 
-# the jobs trained in two runs (Chapter 4b): Eq. (4.1)'s steps, then the cooldown's flags; none for the others
+# the jobs trained in two runs (Chapter 4b): Eq. (4.1)'s steps (evaluated every epoch, BASE_EVAL), then the
+# cooldown's flags; none for the others
+BASE_EVAL="--eval-every 469"
 base_steps() {
   case $1 in
     capsnet-expanded|capsnet-expanded-r1) echo 967 ;;
@@ -94,29 +96,33 @@ eval_size() {
 pack() {   # NAME: the run's weights (float16) and manifest entry, metrics and evaluation, as NAME.tar (in parts)
   local name=$1 run=$WORK/runs/$1 args
   args=$(args_of "$name") || return 2
-  local model=${args%% *} dir=$WORK/packs/$name size command="capsule-book train $args"
+  local model=${args%% *} dir=$WORK/packs/$name size command="capsule-book train $args" base=""
   if [ -n "$(base_steps "$name")" ]; then
-    command="capsule-book train $args --steps $(base_steps "$name") --out runs/$name && capsule-book train"
-    command+=" ${args/--eval-every 469/} --cooldown-from runs/$name/last.pt $(cooldown_of "$name")"
-    command+=" --out runs/$name-cooldown"
-    command=${command//  / }
+    base=$run-base
+    command="capsule-book train $args --steps $(base_steps "$name") $BASE_EVAL --out runs/$name && capsule-book"
+    command+=" train $args --cooldown-from runs/$name/last.pt $(cooldown_of "$name") --out runs/$name-cooldown"
   fi
   read -r -a size <<< "$(eval_size "$model")"
   rm -rf "$dir" && mkdir -p "$dir/weights"
   "${CB[@]}" eval "$model" --checkpoint "$run/last.pt" --device "$DEVICE" "${size[@]}" > "$dir/eval.json" \
     || { echo "$name: evaluation failed" >&2; return 1; }
   local gpu; gpu=$(nvidia-smi -L 2>/dev/null | head -1)
-  "$PYTHON" - "$run/last.pt" "$name" "$dir" "$command" "$gpu" <<'EOF'
-import json, sys
-from capsule_book.weights import ship
-ck, name, folder, command, gpu = sys.argv[1:]
+  "$PYTHON" - "$run/last.pt" "$name" "$dir" "$command" "$gpu" "$base" <<'EOF' || return 1
+import json, shutil, sys
+from pathlib import Path
+from capsule_book.weights import ship, ship_two_runs
+ck, name, folder, command, gpu, base = sys.argv[1:]
 metric = json.loads(open(f"{folder}/eval.json").read().strip().splitlines()[-1])
-ship(ck, name, command, metric, dtype="float16", folder=f"{folder}/weights",
-     notes=f"trained on {gpu or 'the CPU'} by benchmarks/gpu_session.sh")
+kw = dict(dtype="float16", folder=f"{folder}/weights", metrics=f"benchmarks/results/{name}.metrics.jsonl",
+          notes=f"trained on {gpu or 'the CPU'} by benchmarks/gpu_session.sh")
+if base:    # two runs: one curve, both runs' steps and seconds
+    ship_two_runs(ck, f"{base}/last.pt", name, command, metric, f"{base}/metrics.jsonl",
+                  f"{folder}/metrics.jsonl", **kw)
+else:
+    ship(ck, name, command, metric, **kw)
+    shutil.copy(Path(ck).parent / "metrics.jsonl", f"{folder}/metrics.jsonl")
 EOF
-  cp "$run/metrics.jsonl" "$dir/"; cp "$WORK/logs/$name.log" "$dir/" 2>/dev/null
-  # a two-run job: the Eq. (4.1) run's metrics too (benchmarks/results merges them: steps and seconds counted on)
-  [ -e "$run-base/metrics.jsonl" ] && cp "$run-base/metrics.jsonl" "$dir/base-metrics.jsonl"
+  cp "$WORK/logs/$name.log" "$dir/" 2>/dev/null
   (cd "$WORK/packs" && tar cf "$name.tar" "$name" && rm -f "$name.tar.part-"* \
      && if [ "$(stat -c %s "$name.tar")" -gt 15728640 ]; then split -b $PART "$name.tar" "$name.tar.part-" \
         && rm "$name.tar"; fi)
@@ -145,7 +151,7 @@ run_job() {   # NAME: its run (resumed where a checkpoint is), or its two runs, 
   fi
   [ -n "${SMOKE:-}" ] && steps=3
   if [ ! -e "$run/last.pt" ]; then                            # Eq. (4.1) first, in NAME-base
-    "${CB[@]}" train "${a[@]}" "${size[@]}" --steps "$steps" --out "$run-base" --device "$DEVICE" \
+    "${CB[@]}" train "${a[@]}" $BASE_EVAL "${size[@]}" --steps "$steps" --out "$run-base" --device "$DEVICE" \
       --no-progress --max-minutes "$(left)" $( [ -e "$run-base/last.pt" ] && echo --resume ) || return
     base=$("$PYTHON" -c "import sys; from capsule_book.train import load_checkpoint
 print(load_checkpoint(sys.argv[1], mmap=True)['step'])" "$run-base/last.pt") || return

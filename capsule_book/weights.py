@@ -20,7 +20,7 @@ from .train import CheckpointError, UserError, load_checkpoint, trained_weights
 
 # %% auto #0
 __all__ = ['REPOSITORY', 'RAW', 'WEIGHTS_ENV', 'BUILDERS', 'checkout_weights', 'local_weights', 'cache_weights', 'sha256',
-           'manifest', 'entry', 'fetch', 'shipped_as', 'load', 'ship']
+           'manifest', 'entry', 'fetch', 'shipped_as', 'load', 'ship', 'base_record', 'merged_curve', 'ship_two_runs']
 
 # %% ../nbs/95_weights.ipynb #8f6a070a
 REPOSITORY = "https://github.com/capsule-book/capsule_book"
@@ -175,9 +175,10 @@ def load(name: str, device: Union[str, torch.device] = "cpu",
 # %% ../nbs/95_weights.ipynb #6ed0d0b6
 def ship(checkpoint: Union[str, os.PathLike], name: str, command: str, metric: dict,
          dtype: str = "float32", folder: Union[str, os.PathLike] = "weights",
-         metrics: Optional[str] = None, notes: str = "") -> dict:
+         metrics: Optional[str] = None, notes: str = "", base: Optional[dict] = None) -> dict:
     """Write the weights of a finished run's checkpoint to `folder`/`name`.pt and its
-    entry to `folder`/manifest.json."""
+    entry to `folder`/manifest.json. `base`: the first run of a network trained in two
+    (`base_record`), whose steps and seconds the entry counts too (use `ship_two_runs`)."""
     if dtype not in ("float16", "float32"):
         raise ValueError(f"dtype must be float16 or float32, got {dtype!r}")
     ck = load_checkpoint(checkpoint)
@@ -190,6 +191,8 @@ def ship(checkpoint: Union[str, os.PathLike], name: str, command: str, metric: d
     e = {"model": ck["task"], "file": path.name, "sha256": sha256(path),
          "bytes": path.stat().st_size, "dtype": dtype, "command": command, "steps": ck["step"],
          "config": ck["config"], "metric": metric, "train_seconds": round(ck["elapsed"], 1)}
+    if base is not None:
+        e["steps"] += base["step"]; e["train_seconds"] = round(ck["elapsed"] + base["elapsed"], 1)
     if metrics: e["metrics"] = metrics
     if notes: e["notes"] = notes
     mpath = folder / "manifest.json"
@@ -197,3 +200,51 @@ def ship(checkpoint: Union[str, os.PathLike], name: str, command: str, metric: d
     m["models"][name] = e
     mpath.write_text(json.dumps(m, indent=1, sort_keys=True) + "\n")
     return e
+
+# %% ../nbs/95_weights.ipynb #fea80bd8
+def base_record(checkpoint: Union[str, os.PathLike], note: str = "") -> dict:
+    """What the entry of a network trained in two runs needs of its first run's checkpoint:
+    its step, training seconds and settings (and `note`), for its `base.json`."""
+    ck = load_checkpoint(checkpoint, mmap=True)
+    return {"step": ck["step"], "elapsed": round(ck["elapsed"], 2), "config": ck["config"],
+            **({"note": note} if note else {})}
+
+def _rows(path: Union[str, os.PathLike]) -> list[dict]:
+    return [json.loads(r) for r in Path(path).read_text().splitlines() if r.strip()]
+
+def merged_curve(base_rows: list[dict], cooldown_rows: list[dict], base: dict) -> list[dict]:
+    """One curve from two runs: `base_rows` up to the cooldown's start `base["step"]`, then
+    `cooldown_rows` with step and elapsed_s counted on from it and marked "cooldown": true."""
+    s0, t0 = base["step"], base["elapsed"]
+    return ([r for r in base_rows if r["step"] <= s0]
+            + [{**r, "step": r["step"] + s0, "elapsed_s": round(r["elapsed_s"] + t0, 2),
+                "cooldown": True} for r in cooldown_rows])
+
+def ship_two_runs(checkpoint: Union[str, os.PathLike], base: Union[dict, str, os.PathLike],
+                  name: str, command: str, metric: dict, base_metrics: Union[str, os.PathLike],
+                  metrics_out: Union[str, os.PathLike], dtype: str = "float16",
+                  folder: Union[str, os.PathLike] = "weights", metrics: Optional[str] = None,
+                  notes: str = "") -> dict:
+    """Ship a cooldown's checkpoint whose first run `base` is a `base_record` (or its
+    base.json, or that run's checkpoint): steps and seconds are the two runs' sums, and
+    `metrics_out` gets the merged curve of `base_metrics` and the cooldown's metrics.jsonl
+    (beside `checkpoint`); `metrics`: how the entry names it (default `metrics_out`)."""
+    if not isinstance(base, dict):
+        base = (json.loads(Path(base).read_text()) if Path(base).suffix == ".json"
+                else base_record(base))
+    config = load_checkpoint(checkpoint, mmap=True)["config"]
+    start = config.get("cooldown_from_step")
+    if start is None:
+        raise UserError(f"{checkpoint} is not a cooldown's checkpoint: ship it with ship()")
+    if start != base["step"]:
+        raise UserError(f"{checkpoint} cools down from step {start}, but its first run "
+                        f"ends at step {base['step']}: not the run it started from")
+    for k, v in base["config"].items():
+        if config.get(k) != v:
+            raise UserError(f"{checkpoint} was trained with {k}={config.get(k)!r}, its first "
+                            f"run with {k}={v!r}: not the run it started from")
+    rows = merged_curve(_rows(base_metrics), _rows(Path(checkpoint).parent / "metrics.jsonl"), base)
+    Path(metrics_out).parent.mkdir(parents=True, exist_ok=True)
+    Path(metrics_out).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ship(checkpoint, name, command, metric, dtype, folder,
+                metrics=metrics or str(metrics_out), notes=notes, base=base)

@@ -44,16 +44,18 @@ def test_the_scae_job_trains_packs_and_loads(tmp_path):
 
 def test_a_chapter_4b_job_runs_eq41_then_the_cooldown_and_packs_both_curves(tmp_path):
     """A CapsNet of Chapter 4b trains in two runs, as its manifest command says: Eq. (4.1) in NAME-base, then the
-    cooldown from that run's checkpoint; the pack carries both runs' metrics."""
+    cooldown from that run's checkpoint; the pack carries the two runs' curve as one, and its entry both runs' steps
+    and the shipped network's command, word for word."""
     pack = run_job(tmp_path, "capsnet-expanded-r1")
     entry = json.loads((pack / "weights" / "manifest.json").read_text())["models"]["capsnet-expanded-r1"]
-    first, second = entry["command"].split(" && ")
-    assert "--steps 967 --out runs/capsnet-expanded-r1" in first and "--routing-iterations 1" in first
-    assert "--cooldown-from runs/capsnet-expanded-r1/last.pt --epochs 6" in second
+    shipped = json.loads((ROOT / "weights" / "manifest.json").read_text())["models"]["capsnet-expanded-r1"]
+    assert entry["command"] == shipped["command"]
     assert entry["config"]["cooldown_from_step"] == 3 and entry["config"]["routing_iterations"] == 1
-    base = [json.loads(r) for r in (pack / "base-metrics.jsonl").read_text().splitlines()]
-    cool = [json.loads(r) for r in (pack / "metrics.jsonl").read_text().splitlines()]
-    assert base[-1]["step"] == 3 and cool[-1]["step"] == 3 and cool[-1]["lr"] < base[-1]["lr"]
+    assert entry["steps"] == 6 and entry["metrics"] == "benchmarks/results/capsnet-expanded-r1.metrics.jsonl"
+    rows = [json.loads(r) for r in (pack / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r.get("cooldown", False)) for r in rows] == [
+        (1, False), (2, False), (3, False), (4, True), (5, True), (6, True)]
+    assert rows[3]["lr"] < rows[2]["lr"] and not (pack / "base-metrics.jsonl").exists()
     model = weights.load("capsnet-expanded-r1", folder=pack / "weights", download=False)
     with torch.no_grad():
         caps = model(torch.rand(2, 1, 40, 40)).caps

@@ -11,7 +11,7 @@ import torch
 
 from capsule_book import weights
 from capsule_book.capsnet import TrainConfig, train_capsnet
-from capsule_book.train import CheckpointError, UserError
+from capsule_book.train import CheckpointError, UserError, load_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = json.loads((ROOT / "weights" / "manifest.json").read_text())["models"]
@@ -176,3 +176,38 @@ def test_the_weights_folder_of_the_environment_is_read_first(shipped, monkeypatc
     monkeypatch.setenv("CAPSULE_BOOK_WEIGHTS", str(tmp))
     with pytest.raises(UserError, match=rf"^{tmp} holds no manifest.json: --weights-dir \(or CAPSULE_BOOK_WEIGHTS\)"):
         weights.load("tiny")
+
+
+def test_a_network_trained_in_two_runs_ships_with_both_runs_counted(tmp_path):
+    """ship_two_runs: Eq. (4.1) for 2 steps, then a 3-step cooldown from its checkpoint; the entry counts 5 steps and
+    both runs' seconds, the merged curve runs 1..5 with the cooldown's rows marked, and the first run's checkpoint
+    can be gone (its base.json is enough). A cooldown of another first run is refused, naming both."""
+    common = dict(batch_size=8, limit_train=16, limit_test=8, routing_iterations=1, sample=True, progress=False,
+                  device="cpu", log_every=1)
+    train_capsnet(TrainConfig(steps=2, out=str(tmp_path / "base"), **common))
+    base = weights.base_record(tmp_path / "base" / "last.pt", note="the first run")
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    train_capsnet(TrainConfig(steps=3, cooldown_from=str(tmp_path / "base" / "last.pt"),
+                              out=str(tmp_path / "cool"), **common))
+    shutil.copy(tmp_path / "base" / "metrics.jsonl", tmp_path / "base-metrics.jsonl")
+    shutil.rmtree(tmp_path / "base")
+    cool = load_checkpoint(tmp_path / "cool" / "last.pt")
+    e = weights.ship_two_runs(tmp_path / "cool" / "last.pt", tmp_path / "base.json", "two", "cmd", {"accuracy": 0.1},
+                              tmp_path / "base-metrics.jsonl", tmp_path / "results" / "two.jsonl",
+                              folder=tmp_path / "w")
+    assert base["step"] == 2 and base["note"] == "the first run"
+    assert e["steps"] == 5 and e["train_seconds"] == round(base["elapsed"] + cool["elapsed"], 1)
+    assert e["metrics"] == str(tmp_path / "results" / "two.jsonl")
+    assert weights.entry("two", folder=tmp_path / "w")["steps"] == 5
+    rows = [json.loads(r) for r in (tmp_path / "results" / "two.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r.get("cooldown", False) for r in rows] == [False, False, True, True, True]
+    assert all(a["elapsed_s"] < b["elapsed_s"] for a, b in zip(rows, rows[1:]))
+    assert rows[2]["lr"] < rows[1]["lr"]                                   # the cooldown's rate, below Eq. (4.1)'s
+    with pytest.raises(UserError, match="cools down from step 2, but its first run ends at step 7"):
+        weights.ship_two_runs(tmp_path / "cool" / "last.pt", {**base, "step": 7}, "two", "cmd", {},
+                              tmp_path / "base-metrics.jsonl", tmp_path / "x.jsonl", folder=tmp_path / "w")
+    other = {**base, "config": {**base["config"], "routing_iterations": 3}}
+    with pytest.raises(UserError, match="routing_iterations=1, its first run with routing_iterations=3"):
+        weights.ship_two_runs(tmp_path / "cool" / "last.pt", other, "two", "cmd", {},
+                              tmp_path / "base-metrics.jsonl", tmp_path / "x.jsonl", folder=tmp_path / "w")

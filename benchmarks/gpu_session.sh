@@ -10,6 +10,10 @@
 #   bash benchmarks/gpu_session.sh collect [JOB ...] copy the named packs to $OUT (a second call on the still-warm
 #                                                    machine: what the first trip could not hold)
 #   SMOKE=1 OUT=/tmp/o bash benchmarks/gpu_session.sh train   on a CPU: every job a few steps on the MNIST sample
+#   SCAE_FROM=runs/scae-stageN/STEP.weights.pt bash ... train scae-mnist
+#                                                    the image SCAE goes on from the book's best weights (Chapter
+#                                                    11's last stage; name the file in the call's carry) at the
+#                                                    official batch, rate and weights, instead of from scratch
 #
 # Before the call: the tree travels (64 MiB at most), so move weights/ and runs/ out of the checkout; MNIST travels
 # with it: copy ../shared/data/mnist/*.gz to data/mnist/ (ignored by git) and name `data` in the call's carry.
@@ -55,8 +59,11 @@ args_of() {
     capsnet-expanded) echo "capsnet --canvas 40" ;;
     capsnet-expanded-r1) echo "capsnet --canvas 40 --routing-iterations 1" ;;
     cnn-expanded) echo "cnn" ;;
-    # the image SCAE (issue 29) at the official batch, with the tenfold rate that moves it in a short budget
-    scae-mnist) echo "scae --batch-size 128 --lr 3e-4 --eval-every 5000 --eval-n 5000" ;;
+    # the image SCAE (issue 29): from scratch at the official batch, with the tenfold rate that moves it in a short
+    # budget; with SCAE_FROM, Chapter 11's stages continued at the official batch, rate and between-example weight
+    scae-mnist) if [ -n "${SCAE_FROM:-}" ]; then
+        echo "scae --from-scae $SCAE_FROM --batch-size 128 --prior-between 0.35 --lr 3e-5 --eval-every 5000 --eval-n 5000"
+      else echo "scae --batch-size 128 --lr 3e-4 --eval-every 5000 --eval-n 5000"; fi ;;
     *) echo "unknown job $1 (jobs: ${ALL[*]})" >&2; return 2 ;;
   esac
 }

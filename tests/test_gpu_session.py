@@ -10,15 +10,16 @@ from pathlib import Path
 import torch
 
 from capsule_book import weights
+from capsule_book.train import load_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_job(tmp_path, job):
+def run_job(tmp_path, job, **more_env):
     "gpu_session.sh's SMOKE path for `job`; asserts it was sent back and returns the unpacked pack."
     env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"),
-           "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
-    (tmp_path / "out").mkdir()
+           "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **more_env}
+    (tmp_path / "out").mkdir(parents=True)
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "train", job],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and f"sent: {job}" in done.stdout, done.stdout + done.stderr
@@ -40,6 +41,24 @@ def test_the_scae_job_trains_packs_and_loads(tmp_path):
         out = model(torch.rand(2, 1, 40, 40))
     assert not model.training and out.object_presence.shape == (2, 32)
     assert ((out.object_presence >= 0) & (out.object_presence <= 1)).all()
+
+
+def test_the_scae_job_goes_on_from_the_books_weights_with_scae_from(tmp_path):
+    """SCAE_FROM: the job starts from a whole SCAE's weights (here a smoke run's, one parameter set to a value no
+    training gives) at the official batch and rate; three steps at 3e-5 leave that value in the shipped weights."""
+    first = run_job(tmp_path / "a", "scae-mnist")
+    ck = load_checkpoint(tmp_path / "a" / "work" / "runs" / "scae-mnist" / "last.pt")
+    key = next(k for k, v in ck["model"].items() if v.is_floating_point() and v.numel() > 100)
+    for state in [ck["model"]] + ([ck["average"]] if isinstance(ck.get("average"), dict) else []):
+        state[key] = torch.full_like(state[key], 0.123)
+    torch.save(ck, tmp_path / "marked.pt")
+    pack = run_job(tmp_path / "b", "scae-mnist", SCAE_FROM=str(tmp_path / "marked.pt"))
+    entry = json.loads((pack / "weights" / "manifest.json").read_text())["models"]["scae-mnist"]
+    assert f"--from-scae {tmp_path / 'marked.pt'} --batch-size 128 --prior-between 0.35 --lr 3e-5" in entry["command"]
+    shipped = torch.load(pack / "weights" / "scae-mnist.pt", weights_only=True)[key].float()
+    assert (shipped - 0.123).abs().max() < 0.01
+    before = torch.load(first / "weights" / "scae-mnist.pt", weights_only=True)[key].float()
+    assert (before - 0.123).abs().max() > 0.01                  # a run from scratch does not hold the mark
 
 
 def test_a_chapter_4b_job_runs_eq41_then_the_cooldown_and_packs_both_curves(tmp_path):

@@ -26,7 +26,7 @@ from .utils import pick_device
 __all__ = ['UserError', 'CheckpointError', 'MissingCheckpoint', 'NonFiniteLoss', 'Interrupted', 'save_checkpoint',
            'remove_stale_temporaries', 'load_checkpoint', 'trained_weights', 'rng_state', 'set_rng_state', 'Stream',
            'EpochStream', 'SyntheticStream', 'Task', 'RunResult', 'init_distributed', 'all_sum',
-           'refuse_other_settings', 'make_run_folder', 'open_run', 'fit']
+           'refuse_other_settings', 'make_run_folder', 'open_run', 'fit', 'weights_only']
 
 # %% ../nbs/92_train.ipynb #7c69be35
 class UserError(Exception):
@@ -674,3 +674,13 @@ def _failed_step(e: BaseException, at: int, steps: int, model: nn.Module,
     if isinstance(e, ValueError):
         return ValueError(f"at step {at} of {steps}: {str(e).splitlines()[0]}; {kept}")
     return None
+
+# %% ../nbs/92_train.ipynb #391d34f1
+def weights_only(path: Union[str, os.PathLike], out: Union[str, os.PathLike],
+                 note: str = "") -> Path:
+    """Write the trained weights (`trained_weights`), task, settings, step and seconds of the
+    checkpoint at `path` to `out`, with `note`; no optimiser, data or random state."""
+    ck = load_checkpoint(path)
+    kept = {k: ck[k] for k in ("task", "config", "step", "elapsed") if k in ck}
+    return save_checkpoint({**kept, "model": trained_weights(ck),
+                            **({"note": note} if note else {})}, out)

@@ -724,7 +724,9 @@ def eval_scae_command(args: argparse.Namespace) -> int:
     for name, test in (("shifted", batches(x_te, y_te, 10_002)),
                        ("centred", batches(x_te, y_te, 0, shift=False))):
         scores = score_presences(train, scae_features(model, test, bar(f"{name} test digits")),
-                                 probe=args.probe)
-        result.update({f"{name}_{k}": round(v, 4) for k, v in scores.items()})
+                                 probe=args.probe, confusion=True)
+        # accuracies to 4 places; the confusion matrices (counts [label][matched label]) as they are
+        result.update({f"{name}_{k}": round(v, 4) if isinstance(v, float) else v
+                       for k, v in scores.items()})
     print(json.dumps(result))
     return 0

@@ -403,10 +403,11 @@ def _hungarian(pred: np.ndarray, labels: np.ndarray, n: int) -> tuple[np.ndarray
 # %% ../nbs/11_ocae.ipynb #aab9fd65
 def kmeans_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
                     test_y: np.ndarray, n_classes: int = 10, n_init: int = 10,
-                    seed: int = 0) -> dict:
+                    seed: int = 0, confusion: bool = False) -> dict:
     """K-means with n_classes clusters on the training features, clusters matched to labels by
     the Hungarian algorithm: accuracy on the training set, on the test set ("test"), and the
-    official script's, K-means fitted and matched on the test set itself ("test_refit")."""
+    official script's, K-means fitted and matched on the test set itself ("test_refit");
+    with `confusion`, the test digits' counts [label][matched cluster's label] too."""
     from sklearn.cluster import KMeans
     fit = lambda f: KMeans(n_clusters=n_classes, n_init=n_init, max_iter=1000,
                            random_state=seed).fit(f)
@@ -414,7 +415,12 @@ def kmeans_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray
     to_label, train_acc = _hungarian(km.predict(train_x), train_y, n_classes)
     test_acc = float((to_label[km.predict(test_x)] == test_y).mean())
     _, refit_acc = _hungarian(fit(test_x).predict(test_x), test_y, n_classes)
-    return {"train": train_acc, "test": test_acc, "test_refit": refit_acc}
+    res = {"train": train_acc, "test": test_acc, "test_refit": refit_acc}
+    if confusion:
+        counts = np.zeros((n_classes, n_classes), dtype=int)
+        np.add.at(counts, (test_y, to_label[km.predict(test_x)]), 1)
+        res["test_confusion"] = counts.tolist()
+    return res
 
 def linear_probe_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
                           test_y: np.ndarray) -> float:
@@ -423,12 +429,15 @@ def linear_probe_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.n
     clf = LogisticRegression(max_iter=2000).fit(train_x, train_y)
     return float(clf.score(test_x, test_y))
 
-def score_presences(tr: dict, te: dict, n_init: int = 10, probe: bool = False) -> dict:
-    """K-means accuracies (and, with `probe`, linear-probe accuracy) of both presence vectors of
-    `scae_features` of training digits (tr) and test digits (te)."""
+def score_presences(tr: dict, te: dict, n_init: int = 10, probe: bool = False,
+                    confusion: bool = False) -> dict:
+    """K-means accuracies (and, with `probe`, linear-probe accuracy; with `confusion`, the test
+    confusion matrices) of both presence vectors of `scae_features` of training digits (tr)
+    and test digits (te)."""
     res = {}
     for f in ("prior", "posterior"):
-        acc = kmeans_accuracy(tr[f], tr["label"], te[f], te["label"], n_init=n_init)
+        acc = kmeans_accuracy(tr[f], tr["label"], te[f], te["label"], n_init=n_init,
+                              confusion=confusion)
         res.update({f"{f}_{k}": v for k, v in acc.items()})
         if probe: res[f"{f}_probe"] = linear_probe_accuracy(tr[f], tr["label"], te[f], te["label"])
     return res

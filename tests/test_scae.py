@@ -231,6 +231,12 @@ def test_kmeans_accuracy_on_known_clusters():
     worse = kmeans_accuracy(centres[y_tr] + rng.normal(size=(600, 8)) * 0.05, y_tr,
                             centres[merged] + rng.normal(size=(300, 8)) * 0.05, y_te, n_init=3)
     assert worse["test"] == pytest.approx(1 - (y_te == 3).mean())
+    # the confusion matrix says where: every test 3 counted under 4, every other digit on the diagonal
+    conf = np.array(kmeans_accuracy(centres[y_tr] + rng.normal(size=(600, 8)) * 0.05, y_tr,
+                                    centres[merged] + rng.normal(size=(300, 8)) * 0.05, y_te, n_init=3,
+                                    confusion=True)["test_confusion"])
+    assert conf.sum() == 300 and conf[3, 4] == (y_te == 3).sum() and conf[3, 3] == 0
+    assert (np.diag(conf) == np.bincount(y_te, minlength=10) * (np.arange(10) != 3)).all()
 
 
 def test_training_resumes_exactly(tmp_path):
@@ -268,6 +274,9 @@ def test_command_line_and_shipped_weights(tmp_path, capsys):
     said = capsys.readouterr()
     scores = json.loads(said.out.strip().splitlines()[-1])
     assert scores["n_train"] == 300 and 0 <= scores["centred_prior_test"] <= 1
+    # the confusion matrix of each test set agrees with its accuracy
+    conf = np.array(scores["shifted_prior_test_confusion"])
+    assert conf.sum() == 200 and round(np.trace(conf) / 200, 4) == scores["shifted_prior_test"]
     # a progress bar per set of digits, on stderr; none with --no-progress, and the same scores
     assert all(f"{s} digits" in said.err for s in ("training", "shifted test", "centred test"))
     assert cli.main(ev + ["--no-progress"]) == 0

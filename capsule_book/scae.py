@@ -400,7 +400,7 @@ def _hungarian(pred: np.ndarray, labels: np.ndarray, n: int) -> tuple[np.ndarray
     to_label = np.empty(n, dtype=int); to_label[cols] = rows
     return to_label, float(counts[rows, cols].sum() / len(labels))
 
-# %% ../nbs/11_ocae.ipynb #aab9fd65
+# %% ../nbs/11_ocae.ipynb #c51c2d1e
 def kmeans_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
                     test_y: np.ndarray, n_classes: int = 10, n_init: int = 10,
                     seed: int = 0, confusion: bool = False) -> dict:
@@ -422,6 +422,8 @@ def kmeans_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray
         res["test_confusion"] = counts.tolist()
     return res
 
+
+# %% ../nbs/11_ocae.ipynb #a9377c7a
 def linear_probe_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
                           test_y: np.ndarray) -> float:
     "Test accuracy of a logistic regression fitted on the training features."

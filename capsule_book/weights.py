@@ -201,7 +201,7 @@ def ship(checkpoint: Union[str, os.PathLike], name: str, command: str, metric: d
     mpath.write_text(json.dumps(m, indent=1, sort_keys=True) + "\n")
     return e
 
-# %% ../nbs/95_weights.ipynb #fea80bd8
+# %% ../nbs/95_weights.ipynb #ca56eb97
 def base_record(checkpoint: Union[str, os.PathLike], note: str = "") -> dict:
     """What the entry of a network trained in two runs needs of its first run's checkpoint:
     its step, training seconds and settings (and `note`), for its `base.json`."""
@@ -220,6 +220,8 @@ def merged_curve(base_rows: list[dict], cooldown_rows: list[dict], base: dict) -
             + [{**r, "step": r["step"] + s0, "elapsed_s": round(r["elapsed_s"] + t0, 2),
                 "cooldown": True} for r in cooldown_rows])
 
+
+# %% ../nbs/95_weights.ipynb #832f8edd
 def ship_two_runs(checkpoint: Union[str, os.PathLike], base: Union[dict, str, os.PathLike],
                   name: str, command: str, metric: dict, base_metrics: Union[str, os.PathLike],
                   metrics_out: Union[str, os.PathLike], dtype: str = "float16",

@@ -400,7 +400,7 @@ def _hungarian(pred: np.ndarray, labels: np.ndarray, n: int) -> tuple[np.ndarray
     to_label = np.empty(n, dtype=int); to_label[cols] = rows
     return to_label, float(counts[rows, cols].sum() / len(labels))
 
-# %% ../nbs/11_ocae.ipynb #c51c2d1e
+# %% ../nbs/11_ocae.ipynb #bf3e27bc
 def kmeans_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
                     test_y: np.ndarray, n_classes: int = 10, n_init: int = 10,
                     seed: int = 0, confusion: bool = False) -> dict:
@@ -423,7 +423,7 @@ def kmeans_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray
     return res
 
 
-# %% ../nbs/11_ocae.ipynb #a9377c7a
+# %% ../nbs/11_ocae.ipynb #915c917f
 def linear_probe_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
                           test_y: np.ndarray) -> float:
     "Test accuracy of a logistic regression fitted on the training features."

@@ -201,7 +201,7 @@ def ship(checkpoint: Union[str, os.PathLike], name: str, command: str, metric: d
     mpath.write_text(json.dumps(m, indent=1, sort_keys=True) + "\n")
     return e
 
-# %% ../nbs/95_weights.ipynb #ca56eb97
+# %% ../nbs/95_weights.ipynb #31014604
 def base_record(checkpoint: Union[str, os.PathLike], note: str = "") -> dict:
     """What the entry of a network trained in two runs needs of its first run's checkpoint:
     its step, training seconds and settings (and `note`), for its `base.json`."""
@@ -221,7 +221,7 @@ def merged_curve(base_rows: list[dict], cooldown_rows: list[dict], base: dict) -
                 "cooldown": True} for r in cooldown_rows])
 
 
-# %% ../nbs/95_weights.ipynb #832f8edd
+# %% ../nbs/95_weights.ipynb #40e45228
 def ship_two_runs(checkpoint: Union[str, os.PathLike], base: Union[dict, str, os.PathLike],
                   name: str, command: str, metric: dict, base_metrics: Union[str, os.PathLike],
                   metrics_out: Union[str, os.PathLike], dtype: str = "float16",

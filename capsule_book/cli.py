@@ -725,7 +725,7 @@ def eval_scae_command(args: argparse.Namespace) -> int:
                        ("centred", batches(x_te, y_te, 0, shift=False))):
         scores = score_presences(train, scae_features(model, test, bar(f"{name} test digits")),
                                  probe=args.probe, confusion=True)
-        # accuracies to 4 places; the confusion matrices (counts [label][matched label]) as they are
+        # accuracies to 4 places; confusion counts [label][matched label], presences by digit
         result.update({f"{name}_{k}": round(v, 4) if isinstance(v, float) else v
                        for k, v in scores.items()})
     print(json.dumps(result))

@@ -26,9 +26,9 @@ from .train import (EpochStream, RunResult, Task, UserError, _bar, fit,
 # %% auto #0
 __all__ = ['PCAE_STAGES', 'PCAE_FIELDS', 'PCAE_ONLY', 'LOSS_FIELDS', 'presence_attention', 'attend_by_presence', 'PresenceSAB',
            'PartSetEncoder', 'part_pose_likelihood', 'SCAEConfig', 'scae_run_config', 'SCAEOutput', 'SCAE', 'scae_task',
-           'train_scae', 'load_scae', 'scae_features', 'kmeans_accuracy', 'linear_probe_accuracy', 'score_presences',
-           'evaluate_scae', 'scae_from_pcae', 'scae_from_scae', 'plot_scae_parts', 'plot_object_capsules',
-           'plot_tsne_confusion']
+           'train_scae', 'load_scae', 'scae_features', 'kmeans_accuracy', 'linear_probe_accuracy', 'presence_by_class',
+           'score_presences', 'evaluate_scae', 'plot_presence_by_class', 'scae_from_pcae', 'scae_from_scae',
+           'plot_scae_parts', 'plot_object_capsules', 'plot_tsne_confusion']
 
 # %% ../nbs/11_ocae.ipynb #e946a489
 def presence_attention(mh: Multihead, X: Tensor, Y: Tensor, presence: Tensor,
@@ -431,17 +431,32 @@ def linear_probe_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.n
     clf = LogisticRegression(max_iter=2000).fit(train_x, train_y)
     return float(clf.score(test_x, test_y))
 
+def presence_by_class(features: np.ndarray, labels: np.ndarray,
+                      n_classes: int = 10) -> np.ndarray:
+    """The mean presence vector of each class's digits: [n_classes, K] (NaN for a class with
+    no digit); row c says which object capsules the digits c switch on, and how strongly."""
+    if features.ndim != 2 or labels.shape != features.shape[:1]:
+        raise ValueError(f"expected features [n, K] and labels [n], got {tuple(features.shape)} "
+                         f"and {tuple(labels.shape)}")
+    sums = np.zeros((n_classes, features.shape[1]))
+    np.add.at(sums, labels, features)
+    counts = np.bincount(labels, minlength=n_classes)[:, None]
+    with np.errstate(invalid="ignore"):
+        return sums / counts
+
 def score_presences(tr: dict, te: dict, n_init: int = 10, probe: bool = False,
                     confusion: bool = False) -> dict:
     """K-means accuracies (and, with `probe`, linear-probe accuracy; with `confusion`, the test
-    confusion matrices) of both presence vectors of `scae_features` of training digits (tr)
-    and test digits (te)."""
+    confusion matrices and the test digits' `presence_by_class`, to 4 places) of both presence
+    vectors of `scae_features` of training digits (tr) and test digits (te)."""
     res = {}
     for f in ("prior", "posterior"):
         acc = kmeans_accuracy(tr[f], tr["label"], te[f], te["label"], n_init=n_init,
                               confusion=confusion)
         res.update({f"{f}_{k}": v for k, v in acc.items()})
         if probe: res[f"{f}_probe"] = linear_probe_accuracy(tr[f], tr["label"], te[f], te["label"])
+        if confusion:
+            res[f"{f}_test_by_class"] = presence_by_class(te[f], te["label"]).round(4).tolist()
     return res
 
 def evaluate_scae(model: SCAE, train_batches, test_batches, n_init: int = 10,
@@ -449,6 +464,28 @@ def evaluate_scae(model: SCAE, train_batches, test_batches, n_init: int = 10,
     "`score_presences` of the model's presences on the training and the test batches."
     return score_presences(scae_features(model, train_batches),
                            scae_features(model, test_batches), n_init, probe)
+
+# %% ../nbs/11_ocae.ipynb #8c2ee2b4
+def plot_presence_by_class(by_class: np.ndarray, title: str = "", min_shown: float = 0.05):
+    """A heatmap of `presence_by_class` [C, K]: one row per digit, one column per object capsule,
+    each value above `min_shown` printed (×100). Returns the Figure."""
+    import matplotlib.pyplot as plt
+    by_class = np.asarray(by_class)
+    C, K = by_class.shape
+    fig, ax = plt.subplots(figsize=(0.3 * K + 1.5, 0.3 * C + 1.2))
+    im = ax.imshow(by_class, cmap="Greys", vmin=0, vmax=1, aspect="equal")
+    for c in range(C):
+        for k in range(K):
+            if by_class[c, k] > min_shown:
+                ax.text(k, c, f"{100 * by_class[c, k]:.0f}", ha="center", va="center", fontsize=5,
+                        color="white" if by_class[c, k] > 0.5 else "black")
+    ax.set(xticks=range(K), yticks=range(C), xlabel="object capsule k", ylabel="digit",
+           title=title or "mean presence of each object capsule, by digit")
+    ax.tick_params(labelsize=6)
+    fig.colorbar(im, ax=ax, fraction=0.02, pad=0.01)
+    fig.tight_layout()
+    return fig
+
 
 # %% ../nbs/11_ocae.ipynb #ecedbaf9
 # Eq. (11.3) with every OCAE term weighed 0: the image likelihood alone trains the PCAE

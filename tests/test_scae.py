@@ -277,6 +277,14 @@ def test_command_line_and_shipped_weights(tmp_path, capsys):
     # the confusion matrix of each test set agrees with its accuracy
     conf = np.array(scores["shifted_prior_test_confusion"])
     assert conf.sum() == 200 and round(np.trace(conf) / 200, 4) == scores["shifted_prior_test"]
+    # the mean presences by digit are those of the model's own presences of the centred digits
+    from capsule_book.data import CanvasBatches, load_mnist
+    from capsule_book.scae import load_scae, scae_features
+    x, y = load_mnist(False, sample=True, limit=200)
+    te = scae_features(load_scae(out / "last.pt")[0], CanvasBatches(x, y, 500, 40, shift=False))
+    for f in ("prior", "posterior"):
+        want = [te[f][te["label"] == d].mean(0) for d in range(10)]
+        np.testing.assert_allclose(scores[f"centred_{f}_test_by_class"], want, atol=1e-4)
     # a progress bar per set of digits, on stderr; none with --no-progress, and the same scores
     assert all(f"{s} digits" in said.err for s in ("training", "shifted test", "centred test"))
     assert cli.main(ev + ["--no-progress"]) == 0

@@ -26,7 +26,7 @@ from .train import (EpochStream, RunResult, Task, UserError, _bar, fit,
 # %% auto #0
 __all__ = ['PCAE_STAGES', 'PCAE_FIELDS', 'PCAE_ONLY', 'LOSS_FIELDS', 'presence_attention', 'attend_by_presence', 'PresenceSAB',
            'PartSetEncoder', 'part_pose_likelihood', 'SCAEConfig', 'scae_run_config', 'SCAEOutput', 'SCAE', 'scae_task',
-           'train_scae', 'load_scae', 'scae_features', 'kmeans_accuracy', 'linear_probe_accuracy', 'presence_by_class',
+           'train_scae', 'load_scae', 'scae_features', 'kmeans_accuracy', 'presence_by_class', 'linear_probe_accuracy',
            'score_presences', 'evaluate_scae', 'plot_presence_by_class', 'scae_from_pcae', 'scae_from_scae',
            'plot_scae_parts', 'plot_object_capsules', 'plot_tsne_confusion']
 
@@ -423,14 +423,7 @@ def kmeans_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray
     return res
 
 
-# %% ../nbs/11_ocae.ipynb #915c917f
-def linear_probe_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
-                          test_y: np.ndarray) -> float:
-    "Test accuracy of a logistic regression fitted on the training features."
-    from sklearn.linear_model import LogisticRegression
-    clf = LogisticRegression(max_iter=2000).fit(train_x, train_y)
-    return float(clf.score(test_x, test_y))
-
+# %% ../nbs/11_ocae.ipynb #bf3e584b
 def presence_by_class(features: np.ndarray, labels: np.ndarray,
                       n_classes: int = 10) -> np.ndarray:
     """The mean presence vector of each class's digits: [n_classes, K] (NaN for a class with
@@ -443,6 +436,15 @@ def presence_by_class(features: np.ndarray, labels: np.ndarray,
     counts = np.bincount(labels, minlength=n_classes)[:, None]
     with np.errstate(invalid="ignore"):
         return sums / counts
+
+
+# %% ../nbs/11_ocae.ipynb #915c917f
+def linear_probe_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
+                          test_y: np.ndarray) -> float:
+    "Test accuracy of a logistic regression fitted on the training features."
+    from sklearn.linear_model import LogisticRegression
+    clf = LogisticRegression(max_iter=2000).fit(train_x, train_y)
+    return float(clf.score(test_x, test_y))
 
 def score_presences(tr: dict, te: dict, n_init: int = 10, probe: bool = False,
                     confusion: bool = False) -> dict:

@@ -31,8 +31,9 @@ WORK=${WORK:-/tmp/gpu_session}        # kept between calls while the machine sta
 PART=15M
 # capsnet-mnist is shipped (Chapter 4: 50 epochs of the official schedule on the CPU, then a cooldown); its job
 # stays, for a run by name, and is no longer among the defaults
-# cnn-expanded and capsnet-expanded-r1 are shipped too (Chapter 4b); their jobs stay, for a run by name
-ALL=(capsnet-expanded scae-mnist)
+# cnn-expanded, capsnet-expanded and capsnet-expanded-r1 are shipped too (Chapter 4b); their jobs stay, for a run
+# by name
+ALL=(scae-mnist)
 JOBS=("${@:-${ALL[@]}}")
 if [ "${#JOBS[@]}" -eq 0 ] || [ -z "${JOBS[0]}" ]; then JOBS=("${ALL[@]}"); fi
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

@@ -704,13 +704,14 @@ def scae_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=positive, default=500)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+# %% ../nbs/93_cli.ipynb #3d3a9aa3
 @register("eval", "scae", scae_eval_arguments,
           help="unsupervised MNIST accuracy of an SCAE checkpoint or shipped weights")
 def eval_scae_command(args: argparse.Namespace) -> int:
     """`capsule-book eval scae`: K-means accuracy of the object presences (random placement and
     centred test digits), printed as JSON."""
     from capsule_book.data import CanvasBatches, load_mnist
-    from capsule_book.scae import load_scae, scae_features, score_presences
+    from capsule_book.scae import load_scae, presence_by_class, scae_features, score_presences
     model, source, config = load_for_eval(args, "scae", load_scae)
     canvas, dev = model.config.canvas, next(model.parameters()).device
     x_tr, y_tr = load_mnist(True, root=args.data_root, limit=args.n_train, sample=args.sample)
@@ -723,8 +724,11 @@ def eval_scae_command(args: argparse.Namespace) -> int:
     result = {**source, "n_train": len(y_tr), "n_test": len(y_te)}
     for name, test in (("shifted", batches(x_te, y_te, 10_002)),
                        ("centred", batches(x_te, y_te, 0, shift=False))):
-        scores = score_presences(train, scae_features(model, test, bar(f"{name} test digits")),
-                                 probe=args.probe, confusion=True)
+        te = scae_features(model, test, bar(f"{name} test digits"))
+        scores = score_presences(train, te, probe=args.probe, confusion=True)
+        # and which capsules each digit switches on: the mean presences by label [10, K]
+        scores.update({f"{f}_test_by_class": presence_by_class(te[f], te["label"]).round(4).tolist()
+                       for f in ("prior", "posterior")})
         # accuracies to 4 places; confusion counts [label][matched label], presences by digit
         result.update({f"{name}_{k}": round(v, 4) if isinstance(v, float) else v
                        for k, v in scores.items()})

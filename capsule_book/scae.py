@@ -449,16 +449,14 @@ def linear_probe_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.n
 def score_presences(tr: dict, te: dict, n_init: int = 10, probe: bool = False,
                     confusion: bool = False) -> dict:
     """K-means accuracies (and, with `probe`, linear-probe accuracy; with `confusion`, the test
-    confusion matrices and the test digits' `presence_by_class`, to 4 places) of both presence
-    vectors of `scae_features` of training digits (tr) and test digits (te)."""
+    confusion matrices) of both presence vectors of `scae_features` of training digits (tr)
+    and test digits (te)."""
     res = {}
     for f in ("prior", "posterior"):
         acc = kmeans_accuracy(tr[f], tr["label"], te[f], te["label"], n_init=n_init,
                               confusion=confusion)
         res.update({f"{f}_{k}": v for k, v in acc.items()})
         if probe: res[f"{f}_probe"] = linear_probe_accuracy(tr[f], tr["label"], te[f], te["label"])
-        if confusion:
-            res[f"{f}_test_by_class"] = presence_by_class(te[f], te["label"]).round(4).tolist()
     return res
 
 def evaluate_scae(model: SCAE, train_batches, test_batches, n_init: int = 10,

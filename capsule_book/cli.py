@@ -627,6 +627,11 @@ def scae_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prior-between", type=non_negative, default=0.35,
                    help="weight of the prior between-example term (official 0.35; relative to the "
                         "other terms it grows as the batch squared, Chapter 11)")
+    p.add_argument("--posterior-within", type=non_negative, default=0.7,
+                   help="weight of the posterior within-example entropy (official 0.7): each "
+                        "image's parts explained by fewer object capsules")
+    p.add_argument("--posterior-between", type=non_negative, default=0.2,
+                   help="weight of the posterior between-example term (official 0.2)")
     p.add_argument("--average", type=float, default=0.0,
                    help="evaluate and end with a moving average of the weights, decay D per step")
     p.add_argument("--eval-n", type=positive, default=10_000,
@@ -674,7 +679,9 @@ def train_scae_command(args: argparse.Namespace) -> int:
     if not 0 <= args.average < 1:
         raise ValueError(f"--average must lie in [0, 1), got {args.average}")
     if args.lr_decay > 1: raise ValueError(f"--lr-decay must lie in (0, 1], got {args.lr_decay}")
-    weights = {"prior_between": args.prior_between, **(PCAE_ONLY if args.pcae_only else {})}
+    weights = {"prior_between": args.prior_between, "posterior_within": args.posterior_within,
+               "posterior_between": args.posterior_between,
+               **(PCAE_ONLY if args.pcae_only else {})}
     config = SCAEConfig(n_parts=args.n_parts, n_objects=args.n_objects,
                         presence_mask=args.presence_mask, part_layout=args.part_layout,
                         prior_within_constant=args.prior_within_constant, **weights)

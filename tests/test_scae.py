@@ -486,6 +486,13 @@ def test_two_stages_through_the_command_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         train("bad", "--steps", "1", "--prior-between", "-1")
     assert e.value.code == 2 and "--prior-between" in capsys.readouterr().err
+    # the posterior weights, each its own flag; the others keep the official values
+    assert train("posterior", "--steps", "1", "--posterior-within", "2.8", "--posterior-between", "0") == 0
+    cfg = load_scae(tmp_path / "posterior" / "last.pt")[0].config
+    assert (cfg.posterior_within, cfg.posterior_between, cfg.prior_between) == (2.8, 0.0, 0.35)
+    with pytest.raises(SystemExit) as e:
+        train("bad", "--steps", "1", "--posterior-within", "-0.5")
+    assert e.value.code == 2 and "--posterior-within" in capsys.readouterr().err
 
 
 

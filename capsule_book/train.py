@@ -619,29 +619,33 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
 
 # %% ../nbs/92_train.ipynb #5e65cc4f
 class _Interrupt:
-    """Ctrl-C (SIGINT) during `fit`: the first asks the loop to stop after the step under way,
-    with a checkpoint; a second interrupts at once."""
+    """Ctrl-C (SIGINT) or `kill` (SIGTERM) during `fit`: the first asks the loop to stop after the
+    step under way, with a checkpoint; a second interrupts at once."""
+    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+
     def __init__(self, active: bool):
         # a handler can only be set from the main thread
         self.active = active and threading.current_thread() is threading.main_thread()
-        self.requested, self.previous = False, None
+        self.requested, self.previous = False, {}
 
     def __enter__(self) -> "_Interrupt":
-        if self.active:
-            self.previous = signal.getsignal(signal.SIGINT)
-            # ignored (a background job), or set outside Python: left alone
-            self.active = self.previous not in (None, signal.SIG_IGN)
-        if self.active: signal.signal(signal.SIGINT, self._handle)
+        for s in self.SIGNALS if self.active else ():
+            before = signal.getsignal(s)
+            # ignored (SIGINT in a background job), or set outside Python: left alone
+            if before not in (None, signal.SIG_IGN):
+                self.previous[s] = before
+                signal.signal(s, self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:
         if self.requested: raise KeyboardInterrupt
         self.requested = True
-        print("\nCtrl-C: stopping after this step, with a checkpoint (again: stop at once)",
-              file=sys.stderr, flush=True)
+        print(f"\n{self.SIGNALS[signum]}: stopping after this step, with a checkpoint "
+              "(again: stop at once)", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc) -> None:
-        if self.active: signal.signal(signal.SIGINT, self.previous)
+        for s, before in self.previous.items(): signal.signal(s, before)
+
 
 # %% ../nbs/92_train.ipynb #aa3c9ebd
 def _finite(tensors) -> bool:

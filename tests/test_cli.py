@@ -144,6 +144,31 @@ def test_ctrl_c_checkpoints_exits_130_and_prints_the_resume_line(tmp_path, capsy
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == step + 2
 
 
+def test_kill_checkpoints_a_background_run_that_ignores_ctrl_c(tmp_path):
+    "`nohup … &` starts a run with SIGINT ignored; the SIGTERM of `kill` still stops it with a checkpoint."
+    out = tmp_path / "run"
+    argv = ["train", "mog", *TINY_MOG, "--steps", "1000000", "--checkpoint-every", "1000000", "--out", str(out)]
+    p = subprocess.Popen([sys.executable, "-c", "import sys; from capsule_book.cli import main; sys.exit(main())",
+                          *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.jsonl").exists():
+        assert p.poll() is None, p.communicate()
+        assert time.monotonic() < deadline, "the run never started"
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)                                          # ignored, as the shell asked
+    time.sleep(0.5)
+    assert p.poll() is None and not (out / "last.pt").exists()
+    p.send_signal(signal.SIGTERM)
+    said, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and "Traceback" not in err, err
+    assert "SIGTERM: stopping after this step, with a checkpoint" in err
+    step = load_checkpoint(out / "last.pt")["step"]
+    assert step >= 1 and said.strip().splitlines()[-1].startswith(
+        f"interrupted at step {step} of 1000000; {out / 'last.pt'} holds step {step}: continue with")
+
+
 def test_ctrl_c_twice_before_the_first_checkpoint_leaves_nothing_in_the_way(tmp_path, capsys, monkeypatch):
     import capsule_book.mog as mog
     out = tmp_path / "run"

@@ -130,6 +130,23 @@ def test_unknown_names_and_missing_files_are_refused(shipped):
         weights.load("tiny", folder=tmp / "repo")
 
 
+def test_shipped_scae_classifies_the_sample_without_labels():
+    """Chapter 11's `scae-mnist`: its object presences are [B, 32] probabilities, and K-means on those of the sample's
+    2,000 training digits, matched to labels, classifies its 1,000 test digits near the manifest's figure for all
+    10,000 (within 5 points: K-means on 2,000 digits scatters more than on 60,000)."""
+    from capsule_book.data import CanvasBatches, load_mnist
+    from capsule_book.scae import kmeans_accuracy, scae_features
+    model, e = weights.load("scae-mnist"), MANIFEST["scae-mnist"]
+    train, test = (CanvasBatches(*load_mnist(s, sample=True), 500, 40, seed=seed)
+                   for s, seed in ((True, 10_001), (False, 10_002)))
+    with torch.no_grad():
+        u = model(next(iter(test))[0][:4], image_likelihood=False).object_presence
+    assert u.shape == (4, 32) and 0 <= u.min() and u.max() <= 1 and (u.max(1).values > 0.5).all()
+    tr, te = scae_features(model, train), scae_features(model, test)
+    res = kmeans_accuracy(tr["prior"], tr["label"], te["prior"], te["label"])
+    assert res["test"] >= 0.9 and abs(res["test"] - e["metric"]["kmeans_prior"]) <= 0.05, res
+
+
 def test_shipped_ccae_segments_fresh_constellations():
     from capsule_book.ccae import evaluate_ccae
     e = MANIFEST["ccae"]

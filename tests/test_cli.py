@@ -115,14 +115,14 @@ def test_a_nan_loss_stops_the_run_in_one_line_and_keeps_the_last_finite_checkpoi
     (out / "last.pt").unlink()                                                     # 98 MB: not kept by the test
 
 
-def interrupt_when(p: subprocess.Popen, ready, timeout: float = 120) -> None:
-    "Send SIGINT to `p` once ready() is true (a file the run writes appeared)."
+def interrupt_when(p: subprocess.Popen, ready, timeout: float = 120, sig=signal.SIGINT) -> None:
+    "Send `sig` (SIGINT: Ctrl-C) to `p` once ready() is true (a file the run writes appeared)."
     deadline = time.monotonic() + timeout
     while not ready():
         assert p.poll() is None, p.communicate()
         assert time.monotonic() < deadline, "the run never started"
         time.sleep(0.05)
-    p.send_signal(signal.SIGINT)
+    p.send_signal(sig)
 
 
 def test_ctrl_c_checkpoints_exits_130_and_prints_the_resume_line(tmp_path, capsys):
@@ -152,12 +152,7 @@ def test_kill_checkpoints_a_background_run_that_ignores_ctrl_c(tmp_path):
                           *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"},
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-    deadline = time.monotonic() + 120
-    while not (out / "metrics.jsonl").exists():
-        assert p.poll() is None, p.communicate()
-        assert time.monotonic() < deadline, "the run never started"
-        time.sleep(0.05)
-    p.send_signal(signal.SIGINT)                                          # ignored, as the shell asked
+    interrupt_when(p, lambda: (out / "metrics.jsonl").exists())        # ignored, as the shell asked
     time.sleep(0.5)
     assert p.poll() is None and not (out / "last.pt").exists()
     p.send_signal(signal.SIGTERM)

@@ -57,6 +57,9 @@ model.eval()
 with torch.no_grad():
     loss0 = model(images).loss.item()          # the function check (no noise)
 model.train()
+torch.manual_seed(1)
+with torch.no_grad():                          # in training (the fused kernel where it runs)
+    loss_train = model(images).loss.item()
 frozen = {} if mode == "whole" else {"freeze_pcae": True}
 opt = scae.scae_task(model, batch_size=batch, sample=True, eval_n=10, **frozen).optimizer
 kwargs = {} if mode == "whole" else {"image_likelihood": mode == "frozen_image"}
@@ -73,18 +76,22 @@ for _ in range(steps):
     step()
     cpu.append(time.process_time() - c0); wall.append(time.perf_counter() - t0)
 cpu.sort(); wall.sort()
-print(json.dumps({"ms": 1000 * cpu[len(cpu) // 2], "wall_ms": 1000 * wall[len(wall) // 2], "loss": loss0}))
+print(json.dumps({"ms": 1000 * cpu[len(cpu) // 2], "wall_ms": 1000 * wall[len(wall) // 2], "loss": loss0,
+                  "loss_train": loss_train}))
 """
 
 
 TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296"
 
 def round_of(tree: Path, steps: int, warmup: int, batch: int, threads: int,
-             same_allocator: bool = False, mode: str = "whole") -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(threads)}
+             same_allocator: bool = False, mode: str = "whole", fused: bool = True) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(threads),
+           "CAPSULE_BOOK_FUSED": "1" if fused else "0"}
     if same_allocator: env["GLIBC_TUNABLES"] = TUNABLES
+    # run in the tree itself: `python -c` puts the working directory first on sys.path, ahead of
+    # PYTHONPATH, so from a checkout's root every tree would import that checkout's package
     out = subprocess.run([sys.executable, "-c", SPEED_WORKER, str(steps), str(warmup), str(batch), mode],
-                         env=env, capture_output=True, text=True, check=True)
+                         env=env, cwd=str(tree), capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -112,10 +119,13 @@ def speed(reference: str, rounds: int, steps: int, warmup: int, batch: int, thre
         subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(ref_tree), reference],
                        check=True, capture_output=True)
         try:
-            trees = {"reference": ref_tree, "book": root}
-            runs = rotating_rounds({name: (lambda t=tree: round_of(t, steps, warmup, batch, threads,
-                                                                   same_allocator))
-                                    for name, tree in trees.items()}, rounds)
+            # the book's tree twice: as it trains (the fused kernel of Appendix H) and on
+            # Chapter 10's PyTorch path (CAPSULE_BOOK_FUSED=0)
+            trees = {"reference": (ref_tree, True), "book": (root, True),
+                     "book_pytorch_path": (root, False)}
+            runs = rotating_rounds({name: (lambda t=tree, f=fused: round_of(
+                t, steps, warmup, batch, threads, same_allocator, fused=f))
+                                    for name, (tree, fused) in trees.items()}, rounds)
         finally:
             subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(ref_tree)],
                            check=False, capture_output=True)
@@ -130,8 +140,16 @@ def speed(reference: str, rounds: int, steps: int, warmup: int, batch: int, thre
                                  for n, v in runs.items()},
             "speedup": round(ms["reference"] / ms["book"], 3),
             "speedup_per_round": ratio_per_round(runs["reference"], runs["book"]),
+            "speedup_pytorch_path": round(ms["reference"] / ms["book_pytorch_path"], 3),
+            "speedup_pytorch_path_per_round": ratio_per_round(runs["reference"],
+                                                              runs["book_pytorch_path"]),
             "loss": losses, "same_loss": abs(losses["reference"] - losses["book"])
-            <= 1e-4 * abs(losses["reference"])}
+            <= 1e-4 * abs(losses["reference"]),
+            # a training-mode forward (the same noise): fused against Chapter 10's path
+            "loss_train": {n: runs[n][0]["loss_train"] for n in ("book", "book_pytorch_path")},
+            "same_loss_train": abs(runs["book"][0]["loss_train"]
+                                   - runs["book_pytorch_path"][0]["loss_train"])
+            <= 1e-5 * abs(runs["book"][0]["loss_train"])}
 
 
 def frozen(rounds: int, steps: int, warmup: int, batch: int, threads: int) -> dict:

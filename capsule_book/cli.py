@@ -64,7 +64,7 @@ def _is_user_error(e: BaseException) -> bool:
 # %% ../nbs/93_cli.ipynb #62dd7bf6
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the `capsule-book` console script: a user's mistake exits with status 2
-    and one line, Ctrl-C with status 130."""
+    and one line, Ctrl-C with status 130 (SIGTERM 143)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -76,7 +76,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt as e:
         # the engine has said what it saved (Interrupted); before it ran, nothing was written
         said = type(e).__name__ == "Interrupted"
-        parser.exit(130, "" if said else "capsule-book: interrupted (nothing was written)\n")
+        parser.exit(128 + getattr(e, "signum", 2),                  # 130 for Ctrl-C, 143 SIGTERM
+                    "" if said else "capsule-book: interrupted (nothing was written)\n")
     except Exception as e:
         # a user's mistake: one line, exit 2; anything else is a bug: traceback
         if not _is_user_error(e): raise

@@ -13,9 +13,7 @@ from torch import Tensor, nn
 from .ccae import geometric_transform
 
 # %% auto #0
-__all__ = ['sonnet_init', 'glorot_bound', 'PartEncoder', 'official_template_init', 'affine_inverse', 'canvas_grid',
-           'transform_templates', 'image_log_likelihood', 'pixel_mixture_log_likelihood', 'TemplateDecoder',
-           'mixture_mode', 'plot_templates']
+__all__ = ['sonnet_init', 'glorot_bound', 'PartEncoder', 'official_template_init', 'affine_inverse', 'canvas_grid', 'transform_templates', 'image_log_likelihood', 'pixel_mixture_log_likelihood', 'TemplateDecoder', 'mixture_mode', 'plot_templates', 'PIXEL_MIXTURE_CPP', 'pixel_mixture_extension', 'placed_mixture_log_likelihood']
 
 # %% ../nbs/10_pcae.ipynb #fa0f37e2
 def sonnet_init(module: nn.Module) -> nn.Module:
@@ -248,3 +246,400 @@ def plot_templates(templates: Tensor, n_cols: int = 10, title: str = ""):
     if title: fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig
+
+# %% ../nbs/97_cpu_speed.ipynb #c51e0a02
+import hashlib, os, sys, warnings
+
+# the C++ source of the fused kernel, in parts (the cells below)
+PIXEL_MIXTURE_CPP: dict = {}
+
+# %% ../nbs/97_cpu_speed.ipynb #c51e0a03
+PIXEL_MIXTURE_CPP["exp"] = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <vector>
+
+// exp(x) for floats without branches, so that loops over it vectorise: Cody-Waite reduction and
+// Cephes' degree-5 polynomial (within 2 ulp); 0 below -87.3, where float32 underflows
+static inline float fexp(float x) {
+  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r
+              + 4.1665795894e-2f) * r + 1.6666665459e-1f) * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+"""
+
+# %% ../nbs/97_cpu_speed.ipynb #c51e0a04
+PIXEL_MIXTURE_CPP["sample"] = r"""
+// Eq. (10.4) at one pixel: both channels of template (T0 ink, T1 alpha logits, t x t) read
+// bilinearly at (ix, iy), 0 off the template, and their derivatives in ix and iy
+struct Sample { float ink, alpha, ink_x, ink_y, alpha_x, alpha_y; };
+
+static inline float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+#pragma omp declare simd uniform(T0, T1, t) notinbranch
+static inline Sample sample(const float* T0, const float* T1, int t, float ix, float iy) {
+  const float x0 = std::floor(ix), y0 = std::floor(iy), fx = ix - x0, fy = iy - y0, e = t - 1.f;
+  // a tap off the template reads index 0 with weight 0: no branch (& rather than &&)
+  const float ox0 = (x0 >= 0) & (x0 <= e), ox1 = (x0 >= -1) & (x0 <= e - 1);
+  const float oy0 = (y0 >= 0) & (y0 <= e), oy1 = (y0 >= -1) & (y0 <= e - 1);
+  const int c0 = (int)clampf(x0, 0, e), c1 = (int)clampf(x0 + 1, 0, e);
+  const int r0 = (int)clampf(y0, 0, e) * t, r1 = (int)clampf(y0 + 1, 0, e) * t;
+  const float m00 = oy0 * ox0, m01 = oy0 * ox1, m10 = oy1 * ox0, m11 = oy1 * ox1;
+  const float a00 = T0[r0 + c0] * m00, a01 = T0[r0 + c1] * m01;
+  const float a10 = T0[r1 + c0] * m10, a11 = T0[r1 + c1] * m11;
+  const float b00 = T1[r0 + c0] * m00, b01 = T1[r0 + c1] * m01;
+  const float b10 = T1[r1 + c0] * m10, b11 = T1[r1 + c1] * m11;
+  Sample s;
+  s.ink = (1 - fy) * ((1 - fx) * a00 + fx * a01) + fy * ((1 - fx) * a10 + fx * a11);
+  s.alpha = (1 - fy) * ((1 - fx) * b00 + fx * b01) + fy * ((1 - fx) * b10 + fx * b11);
+  s.ink_x = (1 - fy) * (a01 - a00) + fy * (a11 - a10);
+  s.ink_y = (1 - fx) * (a10 - a00) + fx * (a11 - a01);
+  s.alpha_x = (1 - fy) * (b01 - b00) + fy * (b11 - b10);
+  s.alpha_y = (1 - fx) * (b10 - b00) + fx * (b11 - b01);
+  return s;
+}
+"""
+
+# %% ../nbs/97_cpu_speed.ipynb #c51e0a05
+PIXEL_MIXTURE_CPP["footprint"] = r"""
+// the columns j0 <= j < j1 of canvas row yi whose pixels can read the template: along a row, ix
+// and iy are affine in the column j, and a pixel reads nothing unless -1 < ix < t and -1 < iy < t;
+// one column of margin each side. q: the pose's inverse [6] (Eq. 10.4), W the canvas's side
+static inline void footprint(const float* q, float yi, int W, int t, int& j0, int& j1) {
+  const double half = 0.5 * (t - 1), step = 2.0 / (W - 1);
+  double lo = 0, hi = W;
+  for (int k = 0; k < 2; ++k) {        // ix (k = 0), iy (k = 1) = al j + be
+    const double al = q[3 * k] * step * half;
+    const double be = (-q[3 * k] + q[3 * k + 1] * (double)yi + q[3 * k + 2] + 1) * half;
+    if (std::fabs(al) < 1e-12) {
+      if (be <= -1 || be >= t) { j0 = j1 = 0; return; }
+      continue;
+    }
+    double a = (-1 - be) / al, b = (t - be) / al;
+    if (a > b) std::swap(a, b);
+    lo = std::max(lo, a); hi = std::min(hi, b);
+  }
+  j0 = lo < hi ? std::max(0, (int)std::floor(lo) - 1) : 0;
+  j1 = lo < hi ? std::min(W, (int)std::ceil(hi) + 1) : 0;
+  if (j1 < j0) j1 = j0;
+}
+"""
+
+# %% ../nbs/97_cpu_speed.ipynb #c51e0a07
+PIXEL_MIXTURE_CPP["log_sums"] = r"""
+// for one image's logits l and log-joints lp [N, P], with the background: per pixel the log-sums
+// A = log Σ_n e^lp_n and Z = log Σ_n e^l_n [P] (max-shifted); returns Σ_pixels (A − Z)
+static float log_sums(const float* l, const float* lp, const float* y, int N, int P, float mb,
+                      float lb, float c, float* A, float* Z) {
+  std::vector<float> m(P), mz(P), s(P), sz(P);
+#pragma omp simd
+  for (int p = 0; p < P; ++p) { m[p] = lb - c * (y[p] - mb) * (y[p] - mb); mz[p] = lb; }
+  for (int n = 0; n < N; ++n) {
+    const float *ln = l + (size_t)n * P, *lpn = lp + (size_t)n * P;
+#pragma omp simd
+    for (int p = 0; p < P; ++p) { m[p] = std::max(m[p], lpn[p]); mz[p] = std::max(mz[p], ln[p]); }
+  }
+#pragma omp simd
+  for (int p = 0; p < P; ++p) {
+    s[p] = fexp(lb - c * (y[p] - mb) * (y[p] - mb) - m[p]); sz[p] = fexp(lb - mz[p]);
+  }
+  for (int n = 0; n < N; ++n) {
+    const float *ln = l + (size_t)n * P, *lpn = lp + (size_t)n * P;
+#pragma omp simd
+    for (int p = 0; p < P; ++p) { s[p] += fexp(lpn[p] - m[p]); sz[p] += fexp(ln[p] - mz[p]); }
+  }
+  double total = 0;
+  for (int p = 0; p < P; ++p) {
+    A[p] = m[p] + std::log(s[p]); Z[p] = mz[p] + std::log(sz[p]); total += A[p] - Z[p];
+  }
+  return (float)total;
+}
+"""
+
+# %% ../nbs/97_cpu_speed.ipynb #c51e0a08
+PIXEL_MIXTURE_CPP["image_logits"] = r"""
+// one image's logits l and log-joints lp [N, P]: template by template, each read over its footprint
+static void image_logits(const float* T, const float* th, const float* gam, const float* logd,
+                         const float* y, const float* x, int N, int t, int W, float c,
+                         float* l, float* lp) {
+  const float half = 0.5f * (t - 1);
+  for (int n = 0; n < N; ++n) {
+    const float *q = th + n * 6, *T0 = T + (size_t)n * 2 * t * t, *T1 = T0 + t * t;
+    const float g = gam[n], ld = logd[n];
+    float *ln = l + (size_t)n * W * W, *lpn = lp + (size_t)n * W * W;
+#pragma omp simd
+    for (int p = 0; p < W * W; ++p) { ln[p] = ld; lpn[p] = ld - c * y[p] * y[p]; }    // ink 0
+    for (int i = 0; i < W; ++i) {
+      int j0, j1;
+      footprint(q, x[i], W, t, j0, j1);
+      const float ui = q[1] * x[i] + q[2], vi = q[4] * x[i] + q[5];
+      const float* yr = y + i * W;
+      float a[64], b[64];                            // a row (W <= 64): so that it vectorises
+#pragma omp simd
+      for (int j = j0; j < j1; ++j) {
+        const float ix = (q[0] * x[j] + ui + 1) * half, iy = (q[3] * x[j] + vi + 1) * half;
+        const Sample s = sample(T0, T1, t, ix, iy);
+        const float d = yr[j] - g * s.ink, lg = s.alpha + ld;
+        a[j] = lg; b[j] = lg - c * d * d;
+      }
+      std::copy(a + j0, a + j1, ln + i * W + j0); std::copy(b + j0, b + j1, lpn + i * W + j0);
+    }
+  }
+}
+"""
+
+# %% ../nbs/97_cpu_speed.ipynb #c51e0a14
+PIXEL_MIXTURE_CPP["forward"] = r"""
+// T [N, 2, t, t] (ink, alpha logits); th [B, N, 6] (the poses' inverses); gam, logd [B, N] (γ_n,
+// log δ_n); y [B, P]; lin [W] (canvas coordinates); the background's mean and logit; c = 1/(2σ²)
+// -> Σ_pixels (A − Z) [B] and, per pixel, A and Z [B, P]
+std::vector<torch::Tensor> forward(torch::Tensor T, torch::Tensor th, torch::Tensor gam,
+                                   torch::Tensor logd, torch::Tensor y, torch::Tensor lin,
+                                   double mu_b, double l_b, double c) {
+  const int N = T.size(0), t = T.size(2), B = th.size(0), W = lin.size(0), P = W * W;
+  auto out = torch::empty({B}, y.options());
+  auto A = torch::empty({B, P}, y.options()), Z = torch::empty({B, P}, y.options());
+  const float *Tp = T.data_ptr<float>(), *thp = th.data_ptr<float>(), *yp = y.data_ptr<float>();
+  const float *gp = gam.data_ptr<float>(), *dp = logd.data_ptr<float>(), *x = lin.data_ptr<float>();
+  float *op = out.data_ptr<float>(), *Ap = A.data_ptr<float>(), *Zp = Z.data_ptr<float>();
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> l((size_t)N * P), lp((size_t)N * P);
+    for (int64_t b = b0; b < b1; ++b) {
+      image_logits(Tp, thp + b * N * 6, gp + b * N, dp + b * N, yp + b * P, x, N, t, W, c,
+                   l.data(), lp.data());
+      op[b] = log_sums(l.data(), lp.data(), yp + b * P, N, P, mu_b, l_b, c, Ap + b * P,
+                       Zp + b * P);
+    }
+  });
+  return {out, A, Z};
+}
+"""
+
+# %% ../nbs/97_cpu_speed.ipynb #c51e0a10
+PIXEL_MIXTURE_CPP["scatter"] = r"""
+// the bilinear read's backward: ink and alpha gradients gi, ga at (ix, iy) added to the four taps
+static inline void scatter(float* dT0, float* dT1, int t, float ix, float iy, float gi, float ga) {
+  const float x0 = std::floor(ix), y0 = std::floor(iy), fx = ix - x0, fy = iy - y0;
+  const float w[4] = {(1 - fx) * (1 - fy), fx * (1 - fy), (1 - fx) * fy, fx * fy};
+  for (int k = 0; k < 4; ++k) {
+    const int col = (int)x0 + (k & 1), row = (int)y0 + (k >> 1);
+    if (col >= 0 && col < t && row >= 0 && row < t) {
+      dT0[row * t + col] += w[k] * gi; dT1[row * t + col] += w[k] * ga;
+    }
+  }
+}
+"""
+
+# %% ../nbs/97_cpu_speed.ipynb #c51e0a11
+PIXEL_MIXTURE_CPP["template_grad"] = r"""
+// one template's share of the gradients in one image, go the output's: into dT0, dT1 [t, t] and
+// out = (∂th [6], ∂γ, ∂log δ)
+static void template_grad(const float* q, const float* T0, const float* T1, int t, int W,
+                          const float* x, const float* y, const float* A, const float* Z,
+                          const float* Q, const float* Qrow, float g, float ld, float c,
+                          float go, float* dT0, float* dT1, float* out) {
+  const float half = 0.5f * (t - 1);
+  float gi[64], ga[64], xs[64], ys[64], sg = 0, sl = 0;                  // W <= 64
+  for (int i = 0; i < W; ++i) {
+    const float *yr = y + i * W, *Ar = A + i * W, *Zr = Z + i * W;
+    const float ui = q[1] * x[i] + q[2], vi = q[4] * x[i] + q[5];
+    int j0, j1;
+    footprint(q, x[i], W, t, j0, j1);
+    float rx = 0, rx1 = 0, ry = 0, ry1 = 0, sq = 0;
+#pragma omp simd reduction(+ : sg, sl, sq, rx, rx1, ry, ry1)
+    for (int j = j0; j < j1; ++j) {
+      const float ix = (q[0] * x[j] + ui + 1) * half, iy = (q[3] * x[j] + vi + 1) * half;
+      const Sample s = sample(T0, T1, t, ix, iy);
+      const float d = yr[j] - g * s.ink, lg = s.alpha + ld;
+      const float r = fexp(lg - c * d * d - Ar[j]), dl = r - fexp(lg - Zr[j]);   // ∂/∂logit
+      const float dm = 2 * c * r * d;                                             // ∂/∂mean
+      sg += dm * s.ink; sl += dl; sq += Q[i * W + j];
+      const float dx = (dm * g * s.ink_x + dl * s.alpha_x) * half;
+      const float dy = (dm * g * s.ink_y + dl * s.alpha_y) * half;
+      rx += dx * x[j]; rx1 += dx; ry += dy * x[j]; ry1 += dy;
+      gi[j] = go * dm * g; ga[j] = go * dl; xs[j] = ix; ys[j] = iy;
+    }
+    sl += std::exp(ld) * (Qrow[i] - sq);                // off the footprint: ink 0, logit log δ
+    out[0] += go * rx; out[1] += go * rx1 * x[i]; out[2] += go * rx1;
+    out[3] += go * ry; out[4] += go * ry1 * x[i]; out[5] += go * ry1;
+    for (int j = j0; j < j1; ++j) scatter(dT0, dT1, t, xs[j], ys[j], gi[j], ga[j]);
+  }
+  out[6] = go * sg; out[7] = go * sl;
+}
+"""
+
+# %% ../nbs/97_cpu_speed.ipynb #c51e0a12
+PIXEL_MIXTURE_CPP["image_grad"] = r"""
+// one image's gradients: the background's (into gmb, glb), then each template's (dT its own copy)
+static void image_grad(const float* T, const float* th, const float* gam, const float* logd,
+                       const float* y, const float* x, const float* A, const float* Z, int N,
+                       int t, int W, float mb, float lb, float c, float go, float* dT, float* dth,
+                       float* dgam, float* dlogd, float& gmb, float& glb) {
+  // Q: a template's ψ − π at a pixel off its footprint, over its presence δ_n (the same for all)
+  float sm = 0, sl = 0, o[8], Q[64 * 64], Qrow[64];
+#pragma omp simd reduction(+ : sm, sl)
+  for (int p = 0; p < W * W; ++p) {
+    const float d = y[p] - mb, r = fexp(lb - c * d * d - A[p]);
+    sl += r - fexp(lb - Z[p]); sm += r * d;
+    Q[p] = fexp(-c * y[p] * y[p] - A[p]) - fexp(-Z[p]);
+  }
+  for (int i = 0; i < W; ++i) Qrow[i] = std::accumulate(Q + i * W, Q + i * W + W, 0.f);
+  glb += go * sl; gmb += go * 2 * c * sm;
+  for (int n = 0; n < N; ++n) {
+    const float* T0 = T + (size_t)n * 2 * t * t;
+    float* dT0 = dT + (size_t)n * 2 * t * t;
+    std::fill(o, o + 8, 0.f);
+    template_grad(th + n * 6, T0, T0 + t * t, t, W, x, y, A, Z, Q, Qrow, gam[n], logd[n], c, go,
+                  dT0, dT0 + t * t, o);
+    std::copy(o, o + 6, dth + n * 6); dgam[n] = o[6]; dlogd[n] = o[7];
+  }
+}
+"""
+
+# %% ../nbs/97_cpu_speed.ipynb #c51e0a15
+PIXEL_MIXTURE_CPP["backward"] = r"""
+// the gradients of forward's output for gout [B]: in T, th [B, N, 6], gam and logd [B, N], and the
+// background's mean and logit [2]
+std::vector<torch::Tensor> backward(torch::Tensor gout, torch::Tensor T, torch::Tensor th,
+                                    torch::Tensor gam, torch::Tensor logd, torch::Tensor y,
+                                    torch::Tensor lin, torch::Tensor A, torch::Tensor Z,
+                                    double mu_b, double l_b, double c) {
+  const int N = T.size(0), t = T.size(2), B = th.size(0), W = lin.size(0), P = W * W;
+  auto dT = torch::zeros_like(T), dth = torch::empty_like(th), dbg = torch::zeros({2}, y.options());
+  auto dgam = torch::empty_like(gam), dlogd = torch::empty_like(logd);
+  const float *Tp = T.data_ptr<float>(), *thp = th.data_ptr<float>(), *yp = y.data_ptr<float>();
+  const float *gp = gam.data_ptr<float>(), *dp = logd.data_ptr<float>(), *x = lin.data_ptr<float>();
+  const float *Ap = A.data_ptr<float>(), *Zp = Z.data_ptr<float>(), *go = gout.data_ptr<float>();
+  float *dTp = dT.data_ptr<float>(), *dthp = dth.data_ptr<float>(), *dbp = dbg.data_ptr<float>();
+  float *dgp = dgam.data_ptr<float>(), *ddp = dlogd.data_ptr<float>();
+  const int64_t nT = T.numel();
+  std::mutex lock;
+  std::map<int64_t, std::vector<float>> parts;     // a chunk of images' sums, added up in order
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> d(nT + 2, 0.f);             // ∂T, then the background's mean and logit
+    for (int64_t b = b0; b < b1; ++b)
+      image_grad(Tp, thp + b * N * 6, gp + b * N, dp + b * N, yp + b * P, x, Ap + b * P,
+                 Zp + b * P, N, t, W, mu_b, l_b, c, go[b], d.data(), dthp + b * N * 6,
+                 dgp + b * N, ddp + b * N, d[nT], d[nT + 1]);
+    std::lock_guard<std::mutex> hold(lock);
+    parts[b0] = std::move(d);
+  });
+  for (const auto& [b0, d] : parts) {
+    for (int64_t k = 0; k < nT; ++k) dTp[k] += d[k];
+    dbp[0] += d[nT]; dbp[1] += d[nT + 1];
+  }
+  return {dT, dth, dgam, dlogd, dbg};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward); m.def("backward", &backward);
+}
+"""
+
+# %% ../nbs/97_cpu_speed.ipynb #c51e0a17
+_PIXEL_MIXTURE: dict = {}            # the built extension (or None), once per process
+_PIXEL_MIXTURE_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
+                        "-fopenmp-simd")
+
+def _machine() -> str:
+    "What a build for -march=native depends on: the CPU's name and flags."
+    import platform
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "".join(l for l in f if l.startswith(("model name", "flags")))[:4000]
+    except OSError:
+        return platform.machine() + platform.processor()
+
+def pixel_mixture_extension():
+    """The fused kernel of Appendix H, built by torch with this machine's C++ compiler on first use
+    (once a machine: about 30 s, kept in torch's extension cache), or None where it cannot be
+    built (a warning says why) or where the environment sets CAPSULE_BOOK_FUSED=0."""
+    if os.environ.get("CAPSULE_BOOK_FUSED", "1") == "0": return None
+    if "ext" not in _PIXEL_MIXTURE:
+        import logging
+        log = logging.getLogger("torch.utils.cpp_extension")   # not its note on CUDA, absent here
+        level, _ = log.level, log.setLevel(logging.ERROR)
+        from torch.utils.cpp_extension import load_inline, get_default_build_root
+        log.setLevel(level)
+        src = "\n".join(PIXEL_MIXTURE_CPP.values())
+        key = hashlib.sha1("\0".join([src, *_PIXEL_MIXTURE_FLAGS, _machine()]).encode())
+        name = "capsule_book_pixel_mixture_" + key.hexdigest()[:12]
+        if not os.path.exists(os.path.join(get_default_build_root(), name, name + ".so")):
+            print("building the fused pixel-mixture kernel (once on this machine, about 30 s)",
+                  file=sys.stderr, flush=True)
+        try:
+            _PIXEL_MIXTURE["ext"] = load_inline(name, cpp_sources=[src],
+                                                extra_cflags=list(_PIXEL_MIXTURE_FLAGS))
+        except Exception as e:                     # no compiler, no ninja, an unknown flag
+            why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+            warnings.warn(f"the fused pixel-mixture kernel could not be built ({why}); the image "
+                          "SCAE trains on Chapter 10's PyTorch path, the same function, slower")
+            _PIXEL_MIXTURE["ext"] = None
+    return _PIXEL_MIXTURE["ext"]
+
+# %% ../nbs/97_cpu_speed.ipynb #c51e0a18
+class _FusedPlacedMixture(torch.autograd.Function):
+    "Eqs. (10.4) and (10.5) in the kernel above, with its backward."
+    @staticmethod
+    def forward(ctx, templates: Tensor, theta: Tensor, colour: Tensor, log_presence: Tensor,
+                image: Tensor, bg_mean: Tensor, bg_logit: Tensor, sigma: float) -> Tensor:
+        B, W = image.shape[0], image.shape[-1]
+        args = (templates.contiguous(), theta.contiguous(), colour.contiguous(),
+                log_presence.contiguous(), image.reshape(B, W * W).contiguous(),
+                torch.linspace(-1, 1, W, dtype=image.dtype))          # as canvas_grid's
+        c = 0.5 / sigma**2
+        out, A, Z = pixel_mixture_extension().forward(*args, bg_mean.item(), bg_logit.item(), c)
+        ctx.save_for_backward(*args, A, Z, bg_mean, bg_logit)
+        ctx.c = c
+        return out - W * W * (0.5 * math.log(2 * math.pi) + math.log(sigma))
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        *args, A, Z, bg_mean, bg_logit = ctx.saved_tensors
+        dT, dth, dgam, dlogd, dbg = pixel_mixture_extension().backward(
+            g.contiguous(), *args, A, Z, bg_mean.item(), bg_logit.item(), ctx.c)
+        return dT, dth, dgam, dlogd, None, dbg[:1], dbg[1:], None
+
+def placed_mixture_log_likelihood(templates: Tensor, pose: Tensor, presence: Tensor,
+                                  colour: Tensor, image: Tensor, bg_mean: Tensor,
+                                  bg_logit: Tensor, sigma: float = 1.0) -> Tensor:
+    """Eq. (10.5) for images [B, 1, W, W] with templates [N, 2, t, t] (ink, alpha logits) placed
+    by pose [B, N, 3, 3] (Eq. 10.4), presences and colours [B, N], the background's mean and logit
+    [1]: log p [B], by the fused kernel (float32 on a CPU, W <= 64)."""
+    B, N = pose.shape[:2]
+    theta = affine_inverse(pose).reshape(B, N, 6)
+    return _FusedPlacedMixture.apply(templates, theta, colour, presence.clamp_min(1e-16).log(),
+                                     image, bg_mean, bg_logit, sigma)
+
+# %% ../nbs/97_cpu_speed.ipynb #c51e0a19
+def _fused_ok(self: TemplateDecoder, image: Tensor, pose: Tensor) -> bool:
+    "Whether the fused kernel computes this forward pass: training, float32 on a CPU, finite poses."
+    return (self.training and self.fused and image.device.type == "cpu"
+            and image.dtype == torch.float32 and image.shape[-1] <= 64
+            and bool(torch.isfinite(pose).all()) and pixel_mixture_extension() is not None)
+
+def _template_decoder_forward_fused(self: TemplateDecoder, image: Tensor, pose: Tensor,
+                                    presence: Tensor, colour: Tensor):
+    """Chapter 10's forward; in training, where the fused kernel runs, log p(image) [B] from it and
+    no per-pixel components (None, None): training uses only the likelihood."""
+    if not _fused_ok(self, image, pose):
+        return _template_decoder_forward(self, image, pose, presence, colour)
+    templates = torch.cat([self.templates(), self.alpha_logits], 1)          # [N, 2, t, t]
+    return (placed_mixture_log_likelihood(templates, pose, presence, colour, image,
+                                          *self.background()), None, None)
+
+TemplateDecoder.fused = True        # False: Chapter 10's PyTorch path in training too
+TemplateDecoder.forward = _template_decoder_forward_fused

@@ -403,23 +403,26 @@ def _hungarian(pred: np.ndarray, labels: np.ndarray, n: int) -> tuple[np.ndarray
 # %% ../nbs/11_ocae.ipynb #bf3e27bc
 def kmeans_accuracy(train_x: np.ndarray, train_y: np.ndarray, test_x: np.ndarray,
                     test_y: np.ndarray, n_classes: int = 10, n_init: int = 10,
-                    seed: int = 0, confusion: bool = False) -> dict:
+                    seed: int = 0, confusion: bool = False, labels: bool = False) -> dict:
     """K-means with n_classes clusters on the training features, clusters matched to labels by
     the Hungarian algorithm: accuracy on the training set, on the test set ("test"), and the
     official script's, K-means fitted and matched on the test set itself ("test_refit");
-    with `confusion`, the test digits' counts [label][matched cluster's label] too."""
+    with `confusion`, the test digits' counts [label][matched cluster's label] too; with `labels`,
+    each test digit's matched cluster's label ("test_labels", [n_test])."""
     from sklearn.cluster import KMeans
     fit = lambda f: KMeans(n_clusters=n_classes, n_init=n_init, max_iter=1000,
                            random_state=seed).fit(f)
     km = fit(train_x)
     to_label, train_acc = _hungarian(km.predict(train_x), train_y, n_classes)
-    test_acc = float((to_label[km.predict(test_x)] == test_y).mean())
+    pred = to_label[km.predict(test_x)]
+    test_acc = float((pred == test_y).mean())
     _, refit_acc = _hungarian(fit(test_x).predict(test_x), test_y, n_classes)
     res = {"train": train_acc, "test": test_acc, "test_refit": refit_acc}
     if confusion:
         counts = np.zeros((n_classes, n_classes), dtype=int)
-        np.add.at(counts, (test_y, to_label[km.predict(test_x)]), 1)
+        np.add.at(counts, (test_y, pred), 1)
         res["test_confusion"] = counts.tolist()
+    if labels: res["test_labels"] = pred
     return res
 
 

@@ -44,7 +44,11 @@ class NonFiniteLoss(UserError):
     checkpoint kept."""
 
 class Interrupted(KeyboardInterrupt):
-    "Ctrl-C stopped a run, which has said what it saved and how to continue."
+    """Ctrl-C or SIGTERM (`signum`) stopped a run, which has said what it saved and how to
+    continue."""
+    def __init__(self, message: str = "", signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.signum = int(signum)
 
 # %% ../nbs/92_train.ipynb #872902fa
 def save_checkpoint(state: dict, path: Union[str, os.PathLike]) -> Path:
@@ -448,6 +452,7 @@ def _run_start(self: _Run, progress: bool, eval_every: int) -> None:
     self.t_start = self.t_ckpt = time.time()
     self.cost = {"step": 0.0, "eval": 0.0, "checkpoint": 0.0}  # the last duration of each, in s
     self.stopped = self.interrupted = self.reached = False
+    self.signum = signal.SIGINT                       # which signal interrupted it
     self.doing = None                                          # the step under way
     self.eval_every = eval_every
     self.bar = _bar(self.steps, self.step, progress and self.rank == 0, self.task.name)
@@ -479,6 +484,7 @@ def _run_stops(self: _Run, stop_at: Optional[int], max_minutes: Optional[float],
         late = time.time() + need > self.t_start + 60 * max_minutes
     # decided by all ranks together
     late, self.interrupted = _anywhere([late, interrupt.requested], self.world, self.device)
+    self.signum = interrupt.signum
     if late or self.interrupted:
         self.stopped = late
         return True
@@ -554,7 +560,7 @@ def _run_end(self: _Run) -> None:
         or (self.interrupted and step != (self.saved or 0))):
         self.checkpoint()
     if self.interrupted:
-        raise Interrupted(f"interrupted at step {step} of {self.steps}")
+        raise Interrupted(f"interrupted at step {step} of {self.steps}", self.signum)
 
 def _run_failure(self: _Run, e: BaseException) -> Optional[BaseException]:
     """What a run that ended with `e` says and removes; the error to raise from `e` in its place
@@ -569,7 +575,7 @@ def _run_failure(self: _Run, e: BaseException) -> Optional[BaseException]:
     # nothing to continue from: nothing left to block the same command
     if run is not None and saved is None: _forget(run, self.made)
     if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
-        return Interrupted(f"interrupted at step {step} of {steps}")
+        return Interrupted(f"interrupted at step {step} of {steps}", self.signum)
     return failure
 
 _Run.end, _Run.failure = _run_end, _run_failure
@@ -603,8 +609,9 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
     r = _Run(task, steps, out, resume, rank, world)
     net = nn.parallel.DistributedDataParallel(r.model) if world > 1 else r.model
     r.start(progress, eval_every)
+    interrupt = _Interrupt(out is not None)
     try:
-        with _Interrupt(out is not None) as interrupt:
+        with interrupt:
             while r.step < steps and not r.stops(stop_at, max_minutes, interrupt):
                 r.train_step(net)
                 r.log_row(log_every)
@@ -612,6 +619,7 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
             r.doing = None
         r.end()
     except BaseException as e:
+        r.signum = interrupt.signum
         failure = r.failure(e)
         if failure is not None: raise failure from e
         raise
@@ -626,7 +634,7 @@ class _Interrupt:
     def __init__(self, active: bool):
         # a handler can only be set from the main thread
         self.active = active and threading.current_thread() is threading.main_thread()
-        self.requested, self.previous = False, {}
+        self.requested, self.previous, self.signum = False, {}, signal.SIGINT
 
     def __enter__(self) -> "_Interrupt":
         for s in self.SIGNALS if self.active else ():
@@ -638,6 +646,7 @@ class _Interrupt:
         return self
 
     def _handle(self, signum, frame) -> None:
+        self.signum = signum                         # the last one: the exit status says which
         if self.requested: raise KeyboardInterrupt
         self.requested = True
         print(f"\n{self.SIGNALS[signum]}: stopping after this step, with a checkpoint "

@@ -237,6 +237,11 @@ def test_kmeans_accuracy_on_known_clusters():
                                     confusion=True)["test_confusion"])
     assert conf.sum() == 300 and conf[3, 4] == (y_te == 3).sum() and conf[3, 3] == 0
     assert (np.diag(conf) == np.bincount(y_te, minlength=10) * (np.arange(10) != 3)).all()
+    # each test digit's matched label: the test 3s read as 4, the rest as themselves
+    pred = kmeans_accuracy(centres[y_tr] + rng.normal(size=(600, 8)) * 0.05, y_tr,
+                           centres[merged] + rng.normal(size=(300, 8)) * 0.05, y_te, n_init=3,
+                           labels=True)["test_labels"]
+    assert (pred == merged).all()
 
 
 def test_training_resumes_exactly(tmp_path):

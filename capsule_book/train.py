@@ -452,7 +452,6 @@ def _run_start(self: _Run, progress: bool, eval_every: int) -> None:
     self.t_start = self.t_ckpt = time.time()
     self.cost = {"step": 0.0, "eval": 0.0, "checkpoint": 0.0}  # the last duration of each, in s
     self.stopped = self.interrupted = self.reached = False
-    self.signum = signal.SIGINT                       # which signal interrupted it
     self.doing = None                                          # the step under way
     self.eval_every = eval_every
     self.bar = _bar(self.steps, self.step, progress and self.rank == 0, self.task.name)
@@ -484,7 +483,6 @@ def _run_stops(self: _Run, stop_at: Optional[int], max_minutes: Optional[float],
         late = time.time() + need > self.t_start + 60 * max_minutes
     # decided by all ranks together
     late, self.interrupted = _anywhere([late, interrupt.requested], self.world, self.device)
-    self.signum = interrupt.signum
     if late or self.interrupted:
         self.stopped = late
         return True
@@ -560,7 +558,7 @@ def _run_end(self: _Run) -> None:
         or (self.interrupted and step != (self.saved or 0))):
         self.checkpoint()
     if self.interrupted:
-        raise Interrupted(f"interrupted at step {step} of {self.steps}", self.signum)
+        raise Interrupted(f"interrupted at step {step} of {self.steps}", self.interrupt.signum)
 
 def _run_failure(self: _Run, e: BaseException) -> Optional[BaseException]:
     """What a run that ended with `e` says and removes; the error to raise from `e` in its place
@@ -575,7 +573,7 @@ def _run_failure(self: _Run, e: BaseException) -> Optional[BaseException]:
     # nothing to continue from: nothing left to block the same command
     if run is not None and saved is None: _forget(run, self.made)
     if isinstance(e, KeyboardInterrupt) and not isinstance(e, Interrupted):
-        return Interrupted(f"interrupted at step {step} of {steps}", self.signum)
+        return Interrupted(f"interrupted at step {step} of {steps}", self.interrupt.signum)
     return failure
 
 _Run.end, _Run.failure = _run_end, _run_failure
@@ -609,7 +607,7 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
     r = _Run(task, steps, out, resume, rank, world)
     net = nn.parallel.DistributedDataParallel(r.model) if world > 1 else r.model
     r.start(progress, eval_every)
-    interrupt = _Interrupt(out is not None)
+    r.interrupt = interrupt = _Interrupt(out is not None)    # its signum: the exit status
     try:
         with interrupt:
             while r.step < steps and not r.stops(stop_at, max_minutes, interrupt):
@@ -619,7 +617,6 @@ def fit(task: Task, steps: int, out: Optional[Union[str, os.PathLike]] = None, r
             r.doing = None
         r.end()
     except BaseException as e:
-        r.signum = interrupt.signum
         failure = r.failure(e)
         if failure is not None: raise failure from e
         raise
